@@ -1,0 +1,1 @@
+"""TFDS builders and the grain input pipeline."""

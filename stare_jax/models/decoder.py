@@ -1,0 +1,187 @@
+"""A decoder-only transformer for the Llama, Qwen2 and Qwen3 families, in Flax NNX.
+
+Per layer (pre-norm):  x += Attn(RMSNorm(x));  x += SwiGLU(RMSNorm(x)).
+Attention is grouped-query with rotary position embeddings (HF "rotate half" layout);
+Qwen2 adds biases on q/k/v, Qwen3 applies an RMSNorm to each head of q and k.
+
+Layer parameters are stacked along a leading `[num_layers]` axis and the layers run
+under `lax.scan`, which keeps compile time flat in depth and lets the KV cache be one
+array per tensor. The module carries no sharding: partition rules live in
+`stare_jax.parallel`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
+
+# A large finite negative instead of -inf keeps fully masked (padding) rows finite.
+_MASK_VALUE = -1e30
+
+LAYER_PARAM_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
+                     "mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Position of each token in a left-padded batch: p_t = (sum_{s<=t} m_s) - 1, 0 on padding."""
+    mask = attention_mask.astype(jnp.int32)
+    return jnp.where(mask > 0, jnp.cumsum(mask, axis=-1) - 1, 0)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates pairs (x_i, x_{i+d/2}) by the angle position * inv_freq_i ("rotate half" layout).
+
+    x: [B, T, H, D]; cos, sin: [B, T, D/2] float32.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class LayerStack(nnx.Module):
+    """The parameters of all decoder layers, each stacked along a leading [num_layers] axis."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        normal = nnx.initializers.normal(0.02)
+
+        def dense(shape):
+            return nnx.Param(normal(rngs.params(), shape, param_dtype))
+
+        def const(shape, value):
+            return nnx.Param(jnp.full(shape, value, param_dtype))
+
+        self.attn_norm = const((L, D), 1.0)
+        self.wq, self.wk, self.wv = dense((L, D, q_dim)), dense((L, D, kv_dim)), dense((L, D, kv_dim))
+        self.wo = dense((L, q_dim, D))
+        if cfg.qkv_bias:
+            self.bq, self.bk, self.bv = const((L, q_dim), 0.0), const((L, kv_dim), 0.0), const((L, kv_dim), 0.0)
+        if cfg.o_bias:
+            self.bo = const((L, D), 0.0)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = const((L, cfg.head_dim), 1.0), const((L, cfg.head_dim), 1.0)
+        self.mlp_norm = const((L, D), 1.0)
+        self.w_gate, self.w_up, self.w_down = dense((L, D, F)), dense((L, D, F)), dense((L, F, D))
+        if cfg.mlp_bias:
+            self.b_gate, self.b_up, self.b_down = const((L, F), 0.0), const((L, F), 0.0), const((L, D), 0.0)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked parameter arrays by name (only those this architecture has)."""
+        return {n: getattr(self, n)[...] for n in LAYER_PARAM_NAMES if hasattr(self, n)}
+
+
+class Decoder(nnx.Module):
+    """Causal LM: token ids -> float32 logits, with an optional preallocated KV cache."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 remat: bool = False, rngs: nnx.Rngs):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.remat = remat
+        normal = nnx.initializers.normal(0.02)
+        self.embed = nnx.Param(normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), param_dtype))
+        self.layers = LayerStack(cfg, param_dtype=param_dtype, rngs=rngs)
+        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), param_dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size), param_dtype))
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """Logits [B, T, V] (float32) of a left-padded batch; positions come from the mask."""
+        hidden, _ = self.hidden_states(input_ids, positions_from_mask(attention_mask), attention_mask)
+        return self.logits(hidden)
+
+    def output_embedding(self) -> jax.Array:
+        """The [D, V] matrix that maps final hidden states to logits."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., D] -> float32 logits [..., V]."""
+        w = self.output_embedding().astype(self.dtype)
+        return jnp.einsum("...d,dv->...v", hidden.astype(self.dtype), w, preferred_element_type=jnp.float32)
+
+    def init_cache(self, batch_size: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+        """Zeroed KV cache (k, v), each [L, B, max_len, num_kv_heads, head_dim] in the compute dtype."""
+        c = self.config
+        shape = (c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim)
+        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array, kv_mask: jax.Array,
+                      cache: tuple[jax.Array, jax.Array] | None = None, cache_index=0):
+        """Final-norm hidden states [B, T, D] and the updated cache.
+
+        Without a cache the keys are the T input tokens and `kv_mask` is [B, T]. With a cache of
+        length S, the new keys/values are written at [cache_index, cache_index + T) and the
+        queries attend to every cache slot j <= cache_index + t whose `kv_mask[b, j]` is 1
+        (`kv_mask` is [B, S]).
+        """
+        cfg = self.config
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
+        inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))  # a compile-time constant
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        T = input_ids.shape[1]
+        key_len = T if cache is None else cache[0].shape[2]
+        q_index = cache_index + jnp.arange(T)
+        allowed = (jnp.arange(key_len)[None, :] <= q_index[:, None])[None] & (kv_mask[:, None, :] > 0)
+        bias = jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]  # [B,1,1,T,S]
+
+        def layer(x, scanned):
+            p, layer_cache = scanned
+            x, new_cache = _decoder_layer(cfg, self.dtype, p, x, cos, sin, bias, layer_cache, cache_index)
+            return x, new_cache
+
+        if self.remat:
+            layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+        x, new_cache = jax.lax.scan(layer, x, (self.layers.arrays(), cache))
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+
+
+def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_index):
+    """One pre-norm block; returns the new residual stream and this layer's updated (k, v) cache."""
+    B, T, _ = x.shape
+    H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def proj(h, w, b=None):
+        y = jnp.einsum("btd,df->btf", h, w.astype(dtype), preferred_element_type=jnp.float32)
+        if b is not None:
+            y = y + b.astype(jnp.float32)
+        return y.astype(dtype)
+
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = proj(h, p["wq"], p.get("bq")).reshape(B, T, H, hd)
+    k = proj(h, p["wk"], p.get("bk")).reshape(B, T, K, hd)
+    v = proj(h, p["wv"], p.get("bv")).reshape(B, T, K, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        k_cache = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, cache_index, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, cache_index, 0, 0))
+        k, v, cache = k_cache, v_cache, (k_cache, v_cache)
+    q = q.reshape(B, T, K, H // K, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    probs = jax.nn.softmax(scores + bias, axis=-1)
+    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
+    x = x + proj(attn.reshape(B, T, H * hd).astype(dtype), p["wo"], p.get("bo"))
+
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = proj(h, p["w_gate"], p.get("b_gate"))
+    up = proj(h, p["w_up"], p.get("b_up"))
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    x = x + proj(act, p["w_down"], p.get("b_down"))
+    return x, cache

@@ -1,0 +1,114 @@
+"""The one place that knows about devices: meshes, partition rules and batch placement.
+
+Mesh axes are `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer
+state sharded) and `tensor` (Megatron-style model parallel over heads / MLP width / vocabulary).
+Batches are split over `("data", "fsdp")`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Partition rules: (regex on the "/"-joined parameter path, spec). First match wins. Layer
+# parameters carry a leading [num_layers] axis, which is never sharded.
+PARAM_RULES: tuple[tuple[str, P], ...] = (
+    (r"(^|/)embed$", P("tensor", "fsdp")),                  # [V, D]
+    (r"(^|/)lm_head$", P("fsdp", "tensor")),                # [D, V]
+    (r"(^|/)layers/w[qkv]$", P(None, "fsdp", "tensor")),    # [L, D, H*hd]
+    (r"(^|/)layers/b[qkv]$", P(None, "tensor")),            # [L, H*hd]
+    (r"(^|/)layers/wo$", P(None, "tensor", "fsdp")),        # [L, H*hd, D]
+    (r"(^|/)layers/(w_gate|w_up)$", P(None, "fsdp", "tensor")),  # [L, D, F]
+    (r"(^|/)layers/(b_gate|b_up)$", P(None, "tensor")),     # [L, F]
+    (r"(^|/)layers/w_down$", P(None, "tensor", "fsdp")),    # [L, F, D]
+    (r"(^|/)layers/(bo|b_down)$", P(None, None)),           # [L, D]
+    (r".*norm$", P()),                                   # RMSNorm scales: replicated
+)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all); an axis of -1 takes what is left."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = [data, fsdp, tensor]
+    known = int(np.prod([s for s in shape if s != -1]))
+    if shape.count(-1) > 1:
+        raise ValueError("at most one mesh axis may be -1")
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices are not divisible by mesh {dict(zip(MESH_AXES, shape))}")
+        shape[shape.index(-1)] = len(devices) // known
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
+                         f"{len(devices)} available")
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_from_config(mesh_cfg) -> Mesh:
+    """`make_mesh` from a config's `mesh` section (keys data, fsdp, tensor)."""
+    return make_mesh(int(mesh_cfg.data), int(mesh_cfg.fsdp), int(mesh_cfg.tensor))
+
+
+def spec_for_param(path: str, shape: Sequence[int], mesh: Mesh | None = None,
+                   rules: Sequence[tuple[str, P]] = PARAM_RULES) -> P:
+    """The partition spec of parameter `path` ("/"-joined), from the first matching rule.
+
+    A dimension whose size the mesh axis does not divide is left unsharded for that axis, so
+    every rule is valid for every model size. Unmatched paths are replicated.
+    """
+    for pattern, spec in rules:
+        if re.search(pattern, path):
+            break
+    else:
+        return P()
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    if mesh is None:
+        return P(*spec[:len(shape)])
+    fitted = []
+    for dim, axis in zip(shape, spec):
+        size = 1 if axis is None else int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
+        fitted.append(axis if axis is not None and dim % size == 0 else None)
+    return P(*fitted)
+
+
+def path_to_str(path) -> str:
+    """'/'-joined string form of a pytree or NNX state path."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+            continue  # NNX Variable wrapper
+        k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        parts.append(str(k))
+    return "/".join(parts)
+
+
+def param_shardings(state, mesh: Mesh):
+    """A pytree of NamedShardings matching `state` (NNX state or any pytree of arrays/shapes)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, spec_for_param(path_to_str(path), x.shape, mesh)), state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a batch-major array: leading axis over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding on `mesh`."""
+    return NamedSharding(mesh, P())
+
+
+def batch_divisor(mesh: Mesh) -> int:
+    """The number of batch shards: |data| * |fsdp|."""
+    return int(mesh.shape["data"] * mesh.shape["fsdp"])
+
+
+def shard_batch(tree, mesh: Mesh):
+    """Places host arrays of a global batch on `mesh`, leading axis split over (data, fsdp)."""
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), tree)

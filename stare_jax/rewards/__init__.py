@@ -1,0 +1,1 @@
+"""Verifiable reward functions and the isolated verifier pool."""

@@ -1,0 +1,1 @@
+"""RL core: advantages, STARE weights, policy losses, diagnostics and the jitted update step."""

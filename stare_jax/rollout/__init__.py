@@ -1,0 +1,1 @@
+"""Grouped rollouts: the jitted KV-cache sampler."""

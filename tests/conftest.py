@@ -1,0 +1,22 @@
+"""Test setup: 8 simulated CPU devices (so sharding tests run anywhere) and tiny HF checkpoints."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from tests import hf_fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Tiny random HF checkpoints built with transformers + torch: {name: directory}."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: hf_fixtures.make_checkpoint(str(root / name), name) for name in hf_fixtures.KINDS}
