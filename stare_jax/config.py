@@ -1,0 +1,407 @@
+"""Experiment configuration: the full default config, its schema, and one `validate`.
+
+Every config file in `configs/` starts from `default_config()` and overrides fields, so every run
+has every key. `validate(config)` checks each field (type, range, allowed names, cross-field
+divisibility) and raises `ConfigError` naming the key and what is allowed; `load_config_or_exit`
+turns that into contract 8 of DESIGN.md: one line on stderr and exit status 2, before anything
+compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any, Callable, Sequence
+
+import ml_collections
+
+LOSS_NAMES = ("grpo", "stare", "entropy_bonus", "forking_tokens", "clip_cov", "kl_cov")
+DATASETS = ("countdown", "math")
+REWARDS = ("countdown", "math")
+
+
+class ConfigError(ValueError):
+    """A config field has an unknown key or a value outside what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"config error: {key}: {message}")
+        self.key = key
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key a run can set, with the defaults of the embedded quickstart task."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = 100
+    c.checkpoint_every = 25
+    c.keep_checkpoints = 3
+    c.log_every = 1
+    c.test_freq = 0                      # evaluate every N steps (0: only at the end if eval.enabled)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""                    # HF directory; "" = the embedded tiny model, created in the workdir
+    c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
+    c.model.param_dtype = "float32"      # parameter / optimizer dtype: float32 | bfloat16
+    c.model.remat = False                # rematerialise each layer in the backward pass
+    c.model.vocab_chunk = 8192           # vocabulary chunk of the log-softmax / entropy pass
+    c.model.embedded = ml_collections.ConfigDict(dict(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "countdown"            # countdown | math
+    c.data.train_files = ""              # comma-separated local JSONL/parquet files (data.name=math)
+    c.data.eval_files = ""
+    c.data.data_dir = ""                 # TFDS data dir ("" = WORKDIR/tfds)
+    c.data.prompt_batch_size = 16        # prompts per step (global, all hosts)
+    c.data.max_prompt_len = 24
+    c.data.num_train = 20000             # synthetic task: generated training problems
+    c.data.num_eval = 128                # synthetic task: generated evaluation problems
+    c.data.countdown_numbers = 3
+    c.data.countdown_max_number = 9
+    c.data.countdown_max_target = 30
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.group_size = 8
+    c.rollout.max_new_tokens = 24
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+
+    c.dynamic_sampling = ml_collections.ConfigDict()
+    c.dynamic_sampling.enabled = True
+    c.dynamic_sampling.max_num_gen_batches = 10
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.name = "countdown"          # a registry name or "package.module:function"
+    c.reward.timeout_s = 10.0
+    c.reward.num_workers = 2
+
+    c.advantage = ml_collections.ConfigDict()
+    c.advantage.scale = "group"          # group: (r - mean) / (std + eps); none: Dr.GRPO r - mean
+    c.advantage.eps = 1e-6
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.name = "stare"
+    c.loss.agg = "token-mean"
+    c.loss.clip_low = 0.2
+    c.loss.clip_high = 0.28
+    c.loss.clip_c = 10.0
+    c.loss.entropy_coef = 0.0            # entropy_bonus
+    c.loss.forking_rho = 0.2             # forking_tokens
+    c.loss.clip_cov_ratio = 2e-4         # clip_cov
+    c.loss.clip_cov_lb = 1.0
+    c.loss.clip_cov_ub = 5.0
+    c.loss.kl_cov_ratio = 2e-3           # kl_cov
+    c.loss.kl_cov_coef = 1.0
+    c.loss.kl_type = "none"              # none | k1 | k3 | low_var_kl (to a frozen reference policy)
+    c.loss.kl_coef = 0.0
+
+    c.stare = ml_collections.ConfigDict()
+    c.stare.enabled = True
+    c.stare.variant = "O1"
+    c.stare.top_p_ratio = 0.1
+    c.stare.w = 1.1
+    c.stare.m = 0.9
+    c.stare.target_entropy = 0.3
+    c.stare.adaptive = False
+    c.stare.alpha = 0.01
+    c.stare.w_max = 1.5
+    c.stare.m_min = 0.5
+    c.stare.selection_scope = "global"
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.weight_decay = 0.01
+    c.optim.grad_clip = 1.0
+    c.optim.warmup_steps = 0
+
+    c.ppo = ml_collections.ConfigDict()   # ("update" would shadow ConfigDict.update)
+    c.ppo.epochs = 1                      # passes over each batch (1 = on-policy)
+    c.ppo.num_minibatches = 1             # optimizer steps per pass
+    c.ppo.grad_accum = 1                  # micro-batches per optimizer step (exact token-mean)
+
+    c.warmstart = ml_collections.ConfigDict()
+    c.warmstart.steps = 0                # supervised steps on reference solutions before RL (0: off)
+    c.warmstart.batch_size = 64
+    c.warmstart.lr = 3e-3
+    c.warmstart.num_examples = 4096
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.enabled = True
+    c.eval.n = 8                         # samples per prompt: avg@n and pass@k for k <= n
+    c.eval.temperature = 1.0
+    c.eval.top_p = 0.7
+    c.eval.max_prompts = 128
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1                     # -1: all devices not used by the other axes
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""   # "" = single process, or auto-detected on TPU pods
+    c.distributed.num_processes = 1
+    c.distributed.process_id = 0
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.tensorboard = True
+    c.logging.wandb = False
+    c.logging.wandb_project = "stare-jax"
+    c.logging.progress = True
+    return c
+
+
+# ----------------------------------------------------------------------------- schema
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """Allowed values of one config key: a type and optionally a range or a set of names."""
+
+    type: type | tuple
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    choices: Sequence[Any] | None = None
+    check: Callable[[Any], bool] | None = None
+    describe: str = ""
+
+    def allowed(self) -> str:
+        if self.describe:
+            return self.describe
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+        t = self.type if isinstance(self.type, type) else self.type[0]
+        text = names.get(t, t.__name__)
+        if self.lo is not None and self.hi is not None:
+            text += f" in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+        elif self.lo is not None:
+            text += f" {'>' if self.lo_open else '>='} {self.lo}"
+        return text
+
+
+def _int(lo=None, hi=None, **kw):
+    return Field(int, lo, hi, **kw)
+
+
+def _num(lo=None, hi=None, lo_open=False, **kw):
+    return Field(float, lo, hi, lo_open=lo_open, **kw)
+
+
+def _choice(*names):
+    return Field(str, choices=names)
+
+
+_BOOL = Field(bool)
+_STR = Field(str)
+
+SCHEMA: dict[str, Field] = {
+    "seed": _int(0), "total_steps": _int(1), "checkpoint_every": _int(1), "keep_checkpoints": _int(1),
+    "log_every": _int(1), "test_freq": _int(0),
+    "model.path": _STR, "model.dtype": _choice("float32", "bfloat16"),
+    "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL, "model.vocab_chunk": _int(1),
+    "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
+    "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
+    "model.embedded.intermediate_size": _int(1),
+    "data.name": _choice(*DATASETS), "data.train_files": _STR, "data.eval_files": _STR, "data.data_dir": _STR,
+    "data.prompt_batch_size": _int(1), "data.max_prompt_len": _int(1), "data.num_train": _int(1),
+    "data.num_eval": _int(1), "data.countdown_numbers": _int(2, 6), "data.countdown_max_number": _int(2, 1000),
+    "data.countdown_max_target": _int(1),
+    "rollout.group_size": _int(2, describe="an integer >= 2 (advantages are relative within a group)"),
+    "rollout.max_new_tokens": _int(1), "rollout.temperature": _num(0.0, None, lo_open=True),
+    "rollout.top_p": _num(0.0, 1.0, lo_open=True), "rollout.top_k": _int(0),
+    "dynamic_sampling.enabled": _BOOL, "dynamic_sampling.max_num_gen_batches": _int(1),
+    "reward.name": Field(str, check=lambda v: v in REWARDS or ":" in v,
+                         describe="one of " + ", ".join(repr(r) for r in REWARDS) + " or 'module:function'"),
+    "reward.timeout_s": _num(0.0, None, lo_open=True), "reward.num_workers": _int(1),
+    "advantage.scale": _choice("group", "none"), "advantage.eps": _num(0.0),
+    "loss.name": _choice(*LOSS_NAMES), "loss.agg": _choice("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "loss.clip_low": _num(0.0, 1.0), "loss.clip_high": _num(0.0), "loss.clip_c": _num(1.0, None, lo_open=True),
+    "loss.entropy_coef": _num(0.0), "loss.forking_rho": _num(0.0, 1.0, lo_open=True),
+    "loss.clip_cov_ratio": _num(0.0, 1.0), "loss.clip_cov_lb": _num(), "loss.clip_cov_ub": _num(),
+    "loss.kl_cov_ratio": _num(0.0, 1.0), "loss.kl_cov_coef": _num(0.0),
+    "loss.kl_type": _choice("none", "k1", "k3", "low_var_kl"), "loss.kl_coef": _num(0.0),
+    "stare.enabled": _BOOL, "stare.variant": _choice("O1", "C2"),
+    "stare.top_p_ratio": _num(0.0, 1.0, lo_open=True), "stare.w": _num(1.0), "stare.m": _num(0.0, 1.0),
+    "stare.target_entropy": _num(0.0, None, lo_open=True), "stare.adaptive": _BOOL,
+    "stare.alpha": _num(0.0), "stare.w_max": _num(1.0), "stare.m_min": _num(0.0, 1.0),
+    "stare.selection_scope": _choice("global", "microbatch"),
+    "optim.lr": _num(0.0), "optim.b1": _num(0.0, 1.0), "optim.b2": _num(0.0, 1.0), "optim.eps": _num(0.0),
+    "optim.weight_decay": _num(0.0), "optim.grad_clip": _num(0.0, None, lo_open=True), "optim.warmup_steps": _int(0),
+    "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1),
+    "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
+    "warmstart.num_examples": _int(1),
+    "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
+    "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1),
+    "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
+    "mesh.fsdp": _int(1), "mesh.tensor": _int(1),
+    "distributed.coordinator_address": _STR, "distributed.num_processes": _int(1),
+    "distributed.process_id": _int(0),
+    "logging.tensorboard": _BOOL, "logging.wandb": _BOOL, "logging.wandb_project": _STR, "logging.progress": _BOOL,
+}
+
+
+def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
+    """{"a.b.c": value} for every leaf of a (nested) ConfigDict."""
+    out = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, (ml_collections.ConfigDict, dict)):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _check_value(key: str, value: Any, spec: Field) -> None:
+    types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
+    ok_type = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        ok_type = True
+    if not ok_type:
+        raise ConfigError(key, f"got {value!r} ({type(value).__name__}); allowed: {spec.allowed()}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"got {value!r}; allowed: {spec.allowed()} (finite)")
+    if spec.choices is not None and value not in spec.choices:
+        raise ConfigError(key, f"got {value!r}; allowed: {spec.allowed()}")
+    if spec.lo is not None and (value < spec.lo or (spec.lo_open and value == spec.lo)):
+        raise ConfigError(key, f"got {value!r}; allowed: {spec.allowed()}")
+    if spec.hi is not None and value > spec.hi:
+        raise ConfigError(key, f"got {value!r}; allowed: {spec.allowed()}")
+    if spec.check is not None and not spec.check(value):
+        raise ConfigError(key, f"got {value!r}; allowed: {spec.allowed()}")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> ml_collections.ConfigDict:
+    """Checks every field of `config` and the relations between fields; returns it unchanged.
+
+    `num_devices` (default: none checked) is the global device count, for the mesh and the
+    divisibility of the batch by the number of batch shards.
+    """
+    flat = flatten(config)
+    for key in flat:
+        if key not in SCHEMA:
+            section = key.rsplit(".", 1)[0] if "." in key else ""
+            known = sorted(k for k in SCHEMA if (k.rsplit(".", 1)[0] if "." in k else "") == section)
+            raise ConfigError(key, f"unknown key; known keys{' in ' + section if section else ''}: "
+                                   + ", ".join(known))
+    for key, spec in SCHEMA.items():
+        if key not in flat:
+            raise ConfigError(key, f"missing (start config files from stare_jax.config.default_config())")
+        _check_value(key, flat[key], spec)
+
+    c = config
+    if c.stare.m_min > c.stare.m:
+        raise ConfigError("stare.m_min", f"got {c.stare.m_min}; allowed: <= stare.m ({c.stare.m})")
+    if c.stare.w > c.stare.w_max and c.stare.adaptive:
+        raise ConfigError("stare.w", f"got {c.stare.w}; allowed: <= stare.w_max ({c.stare.w_max}) when adaptive")
+    if c.loss.name == "stare" and not c.stare.enabled:
+        raise ConfigError("stare.enabled", "got False; allowed: True when loss.name='stare'")
+    if c.loss.clip_cov_ub < c.loss.clip_cov_lb:
+        raise ConfigError("loss.clip_cov_ub", f"got {c.loss.clip_cov_ub}; allowed: >= loss.clip_cov_lb")
+    if c.loss.kl_type != "none" and c.loss.kl_coef <= 0:
+        raise ConfigError("loss.kl_coef", f"got {c.loss.kl_coef}; allowed: > 0 when loss.kl_type is set")
+    if c.data.name == "math" and not c.data.train_files:
+        raise ConfigError("data.train_files", "empty; allowed: comma-separated JSONL/parquet paths when data.name='math'")
+    if c.data.name == "math" and c.reward.name == "countdown":
+        raise ConfigError("reward.name", "got 'countdown' with data.name='math'; allowed: 'math' or 'module:function'")
+    if c.data.name == "math" and not c.model.path:
+        raise ConfigError("model.path", "empty; allowed: a Hugging Face model directory when data.name='math'")
+    if c.data.prompt_batch_size % c.distributed.num_processes:
+        raise ConfigError("data.prompt_batch_size",
+                          f"got {c.data.prompt_batch_size}; allowed: a multiple of distributed.num_processes "
+                          f"({c.distributed.num_processes}), each host loads its share")
+    if c.distributed.process_id >= c.distributed.num_processes:
+        raise ConfigError("distributed.process_id",
+                          f"got {c.distributed.process_id}; allowed: < distributed.num_processes "
+                          f"({c.distributed.num_processes})")
+    n_rows = c.data.prompt_batch_size * c.rollout.group_size
+    mini = c.ppo.num_minibatches * c.ppo.grad_accum
+    if c.data.prompt_batch_size % c.ppo.num_minibatches:
+        raise ConfigError("ppo.num_minibatches",
+                          f"got {c.ppo.num_minibatches}; allowed: a divisor of data.prompt_batch_size "
+                          f"({c.data.prompt_batch_size})")
+    if n_rows % mini:
+        raise ConfigError("ppo.grad_accum", f"got {c.ppo.grad_accum}; allowed: num_minibatches * grad_accum "
+                                               f"must divide the {n_rows} responses per step")
+    if num_devices is not None:
+        axes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
+        fixed = math.prod(a for a in axes if a != -1)
+        if num_devices % fixed or (-1 not in axes and fixed != num_devices):
+            raise ConfigError("mesh.data", f"mesh data={c.mesh.data} fsdp={c.mesh.fsdp} tensor={c.mesh.tensor} "
+                                           f"does not fit {num_devices} devices; allowed: a product equal to "
+                                           f"{num_devices} (use -1 for one axis to fill)")
+        data = c.mesh.data if c.mesh.data != -1 else num_devices // fixed
+        fsdp = c.mesh.fsdp if c.mesh.fsdp != -1 else num_devices // fixed
+        shards = data * fsdp
+        if n_rows % shards:
+            raise ConfigError("data.prompt_batch_size",
+                              f"got {c.data.prompt_batch_size} prompts x {c.rollout.group_size} responses; "
+                              f"allowed: responses per step divisible by the {shards} batch shards "
+                              f"(mesh.data x mesh.fsdp)")
+        if (n_rows // mini) % shards:
+            raise ConfigError("ppo.grad_accum",
+                              f"micro-batches of {n_rows // mini} responses are not divisible by the {shards} "
+                              f"batch shards; allowed: fewer num_minibatches/grad_accum or a larger batch")
+    return config
+
+
+# ----------------------------------------------------------------------------- command line
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """Runs `get_config()` of the Python config file at `path` (for configs built on other configs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_stare_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_collections.ConfigDict:
+    """Loads `--config FILE` with `--config.a.b=value` overrides from argv (ml_collections config flags),
+    validates it, and on any config problem prints one line and exits with status 2."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file(flag_name, None, "experiment config file (get_config())", flag_values=fv,
+                                    lock_config=True)
+    try:
+        for arg in argv[1:]:  # unknown override keys: name them before absl does
+            if arg.startswith(f"--{flag_name}."):
+                key = arg[len(flag_name) + 3:].split("=", 1)[0]
+                if key not in SCHEMA:
+                    known_sections = sorted({k.split(".")[0] for k in SCHEMA})
+                    section = key.rsplit(".", 1)[0] if "." in key else ""
+                    known = sorted(k for k in SCHEMA if k.startswith(section + ".")) if section else known_sections
+                    raise ConfigError(key, "unknown key; known: " + ", ".join(known[:40]))
+        fv(list(argv), known_only=True)
+        config = getattr(fv, flag_name)
+        if config is None:
+            raise ConfigError(flag_name, "missing; allowed: --config configs/NAME.py")
+        config.keys()
+        validate(config)
+    except ConfigError as e:
+        _exit_config_error(str(e))
+    except flags.IllegalFlagValueError as e:
+        _exit_config_error(f"config error: {_first_line(e)}")
+    except flags.Error as e:
+        _exit_config_error(f"config error: {_first_line(e)}")
+    except Exception as e:  # a config file that fails to load or run, or a bad override
+        _exit_config_error(f"config error: {type(e).__name__}: {_first_line(e)}")
+    return config
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _exit_config_error(message: str) -> None:
+    print(message.replace("\n", " "), file=sys.stderr)
+    sys.exit(2)

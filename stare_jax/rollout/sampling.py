@@ -1,0 +1,74 @@
+"""Next-token selection from logits: temperature, top-k, top-p (nucleus) and greedy.
+
+Pure functions of `[N, V]` float32 logits. The filters follow the `transformers` order
+(temperature, then top-k, then top-p) and its tie rules: every token whose logit equals the
+cut-off value is kept. A full-vocabulary sort happens only when top-p is on without top-k;
+with top-k the nucleus is computed over the k candidates from `lax.top_k`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen; hashable, so one compiled sampler exists per setting.
+
+    `top_k=0` and `top_p=1.0` switch those filters off; `greedy=True` takes the argmax of the
+    raw logits and ignores the other fields.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (or use greedy=True), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The logits sampling draws from: `logits / T`, with tokens outside the top-k set and the
+    top-p nucleus set to -inf. The nucleus is the smallest set of most likely tokens whose
+    probability (after temperature and top-k) reaches `top_p`."""
+    logits = logits.astype(jnp.float32) / jnp.float32(params.temperature)
+    use_top_k = 0 < params.top_k < logits.shape[-1]
+    use_top_p = params.top_p < 1.0
+    if not (use_top_k or use_top_p):
+        return logits
+    if use_top_k:
+        candidates = jax.lax.top_k(logits, params.top_k)[0]     # [N, k], descending
+    else:
+        candidates = -jnp.sort(-logits, axis=-1)                # [N, V], descending
+    if use_top_p:
+        probs = jax.nn.softmax(candidates, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = mass_before < params.top_p                        # the most likely token always is
+        cutoff = jnp.min(jnp.where(kept, candidates, jnp.inf), axis=-1, keepdims=True)
+    else:
+        cutoff = candidates[..., -1:]
+    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+
+
+def choose_tokens(logits: jax.Array, key: jax.Array | None, params: SamplingParams) -> jax.Array:
+    """int32 token ids [N]: argmax of the raw logits when greedy, else one draw per row from
+    softmax(filter_logits(logits)) (Gumbel-max with noise drawn from `key`)."""
+    if params.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filter_logits(logits, params), axis=-1).astype(jnp.int32)
+
+
+def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log softmax(logits)[token] per row at temperature 1, float32 [N]."""
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
