@@ -57,7 +57,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.max_prompt_len = 24
     c.data.num_train = 20000             # synthetic task: generated training problems
     c.data.num_eval = 128                # synthetic task: generated evaluation problems
-    c.data.countdown_numbers = 3
+    c.data.countdown_min_numbers = 3
+    c.data.countdown_max_numbers = 3
     c.data.countdown_max_number = 9
     c.data.countdown_max_target = 30
 
@@ -209,7 +210,8 @@ SCHEMA: dict[str, Field] = {
     "model.embedded.intermediate_size": _int(1),
     "data.name": _choice(*DATASETS), "data.train_files": _STR, "data.eval_files": _STR, "data.data_dir": _STR,
     "data.prompt_batch_size": _int(1), "data.max_prompt_len": _int(1), "data.num_train": _int(1),
-    "data.num_eval": _int(1), "data.countdown_numbers": _int(2, 6), "data.countdown_max_number": _int(2, 1000),
+    "data.num_eval": _int(1), "data.countdown_min_numbers": _int(2, 6),
+    "data.countdown_max_numbers": _int(2, 6), "data.countdown_max_number": _int(2, 1000),
     "data.countdown_max_target": _int(1),
     "rollout.group_size": _int(2, describe="an integer >= 2 (advantages are relative within a group)"),
     "rollout.max_new_tokens": _int(1), "rollout.temperature": _num(0.0, None, lo_open=True),
@@ -287,7 +289,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         if key not in SCHEMA:
             section = key.rsplit(".", 1)[0] if "." in key else ""
             known = sorted(k for k in SCHEMA if (k.rsplit(".", 1)[0] if "." in k else "") == section)
-            raise ConfigError(key, f"unknown key; known keys{' in ' + section if section else ''}: "
+            raise ConfigError(key, f"unknown key; allowed keys{' in ' + section if section else ''}: "
                                    + ", ".join(known))
     for key, spec in SCHEMA.items():
         if key not in flat:
@@ -301,6 +303,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError("stare.w", f"got {c.stare.w}; allowed: <= stare.w_max ({c.stare.w_max}) when adaptive")
     if c.loss.name == "stare" and not c.stare.enabled:
         raise ConfigError("stare.enabled", "got False; allowed: True when loss.name='stare'")
+    if c.data.countdown_max_numbers < c.data.countdown_min_numbers:
+        raise ConfigError("data.countdown_max_numbers", f"got {c.data.countdown_max_numbers}; allowed: >= "
+                                                        f"data.countdown_min_numbers ({c.data.countdown_min_numbers})")
     if c.loss.clip_cov_ub < c.loss.clip_cov_lb:
         raise ConfigError("loss.clip_cov_ub", f"got {c.loss.clip_cov_ub}; allowed: >= loss.clip_cov_lb")
     if c.loss.kl_type != "none" and c.loss.kl_coef <= 0:
@@ -379,8 +384,12 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
                     known_sections = sorted({k.split(".")[0] for k in SCHEMA})
                     section = key.rsplit(".", 1)[0] if "." in key else ""
                     known = sorted(k for k in SCHEMA if k.startswith(section + ".")) if section else known_sections
-                    raise ConfigError(key, "unknown key; known: " + ", ".join(known[:40]))
-        fv(list(argv), known_only=True)
+                    raise ConfigError(key, "unknown key; allowed: " + ", ".join(known[:40]))
+        saved_argv, sys.argv = sys.argv, list(argv)  # config_flags reads its overrides from sys.argv
+        try:
+            fv(list(argv), known_only=True)
+        finally:
+            sys.argv = saved_argv
         config = getattr(fv, flag_name)
         if config is None:
             raise ConfigError(flag_name, "missing; allowed: --config configs/NAME.py")
@@ -389,12 +398,24 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
     except ConfigError as e:
         _exit_config_error(str(e))
     except flags.IllegalFlagValueError as e:
-        _exit_config_error(f"config error: {_first_line(e)}")
+        _exit_config_error(_flag_value_message(str(e), flag_name))
     except flags.Error as e:
         _exit_config_error(f"config error: {_first_line(e)}")
     except Exception as e:  # a config file that fails to load or run, or a bad override
         _exit_config_error(f"config error: {type(e).__name__}: {_first_line(e)}")
     return config
+
+
+def _flag_value_message(text: str, flag_name: str) -> str:
+    """'flag --config.a.b=v: reason' -> 'config error: a.b: cannot parse 'v' (reason); allowed: ...'."""
+    import re
+
+    m = re.match(rf"flag --{flag_name}\.([\w.]+)=(.*?): (.*)", text.strip().splitlines()[0])
+    if not m:
+        return f"config error: {text.strip().splitlines()[0]}"
+    key, value, reason = m.groups()
+    allowed = SCHEMA[key].allowed() if key in SCHEMA else "see stare_jax/config.py"
+    return f"config error: {key}: cannot parse {value!r} ({reason}); allowed: {allowed}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,0 +1,55 @@
+"""Command line of the main job (contract 5 of DESIGN.md).
+
+    python -m stare_jax.train --config configs/quickstart.py --workdir runs/quickstart [--config.key=value ...]
+
+Running the same command again resumes from the latest complete checkpoint in WORKDIR/checkpoints.
+A bad config exits with status 2 and a one-line message before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from stare_jax import config as config_lib
+
+
+def parse_workdir(argv) -> str:
+    """The value of --workdir (or --workdir=...), or exit 2 with a one-line message."""
+    for i, arg in enumerate(argv):
+        if arg == "--workdir" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--workdir="):
+            return arg.split("=", 1)[1]
+    print("config error: --workdir: missing; allowed: a directory path (created if absent)", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None) -> None:
+    """Parses flags, validates the config against the devices, and runs training."""
+    argv = list(sys.argv if argv is None else argv)
+    config = config_lib.load_config_or_exit([a for a in argv if not a.startswith("--workdir")
+                                             and not _is_workdir_value(argv, a)])
+    workdir = parse_workdir(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from stare_jax import distributed
+
+    distributed.initialize(config)
+    import jax
+
+    try:
+        config_lib.validate(config, num_devices=jax.device_count())
+    except config_lib.ConfigError as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(2)
+    from stare_jax import trainer
+
+    trainer.train(config, workdir)
+
+
+def _is_workdir_value(argv, arg) -> bool:
+    return any(argv[i] == "--workdir" and argv[i + 1] is arg for i in range(len(argv) - 1))
+
+
+if __name__ == "__main__":
+    main()

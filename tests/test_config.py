@@ -1,0 +1,96 @@
+"""Contract 8: a bad config exits with status 2 and one line naming the key, before compiling."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stare_jax import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+
+
+def _load(capsys, *overrides):
+    with pytest.raises(SystemExit) as exc:
+        config_lib.load_config_or_exit(["train", "--config", QUICKSTART, *overrides])
+    err = capsys.readouterr().err.strip()
+    return exc.value.code, err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("--config.stare.nope=1", "stare.nope"),                 # unknown key
+    ("--config.nope=1", "nope"),                             # unknown top-level key
+    ("--config.stare.w=heavy", "stare.w"),                   # wrong type
+    ("--config.seed=1.5", "seed"),                           # wrong type (float for int)
+    ("--config.stare.top_p_ratio=1.5", "stare.top_p_ratio"), # out of range
+    ("--config.rollout.group_size=1", "rollout.group_size"), # group of one has no advantage
+    ("--config.loss.name=ppo_magic", "loss.name"),           # unknown registry name
+    ("--config.stare.variant=O3", "stare.variant"),
+    ("--config.model.dtype=float16", "model.dtype"),
+    ("--config.ppo.num_minibatches=3", "ppo.num_minibatches"),  # does not divide the batch
+])
+def test_bad_config_exits_2_naming_the_key(capsys, override, key):
+    code, err = _load(capsys, override)
+    assert code == 2
+    assert len(err.splitlines()) == 1
+    assert key in err
+    assert "allowed" in err or "could not convert" in err or "invalid literal" in err
+
+
+def test_message_lists_allowed_values(capsys):
+    _, err = _load(capsys, "--config.loss.name=ppo_magic")
+    assert "'grpo'" in err and "'stare'" in err and "'clip_cov'" in err
+
+
+def test_quickstart_configs_are_valid():
+    for name in ("quickstart.py", "quickstart_grpo.py"):
+        c = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
+        config_lib.validate(c)
+    grpo = config_lib.load_config_file(os.path.join(ROOT, "configs", "quickstart_grpo.py"))
+    assert grpo.loss.name == "grpo" and not grpo.stare.enabled
+
+
+def test_unknown_key_inside_a_config_file_is_caught():
+    c = config_lib.default_config()
+    c.stare.wieght = 1.2
+    with pytest.raises(config_lib.ConfigError, match="stare.wieght"):
+        config_lib.validate(c)
+
+
+def test_stare_loss_requires_stare_enabled():
+    c = config_lib.default_config()
+    c.stare.enabled = False
+    with pytest.raises(config_lib.ConfigError, match="stare.enabled"):
+        config_lib.validate(c)
+
+
+def _cli(*args, devices=8):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "stare_jax.train", "--config", QUICKSTART, *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_cli_batch_not_divisible_by_devices_exits_2(tmp_path):
+    r = _cli("--workdir", str(tmp_path / "w"), "--config.data.prompt_batch_size=3", "--config.rollout.group_size=3")
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "data.prompt_batch_size" in last and "8 batch shards" in last
+    assert not (tmp_path / "w").exists()  # nothing was created: the run never started
+
+
+def test_cli_mesh_that_does_not_fit_exits_2(tmp_path):
+    r = _cli("--workdir", str(tmp_path / "w"), "--config.mesh.data=3")
+    assert r.returncode == 2 and "mesh.data" in r.stderr.strip().splitlines()[-1]
+
+
+def test_cli_missing_workdir_exits_2():
+    r = _cli()
+    assert r.returncode == 2 and "--workdir" in r.stderr
+
+
+def test_overrides_are_applied_not_silently_dropped():
+    c = config_lib.load_config_or_exit(["train", "--config", QUICKSTART, "--config.stare.w=2.5",
+                                        "--config.loss.name=grpo", "--config.stare.enabled=False"])
+    assert c.stare.w == 2.5 and c.loss.name == "grpo" and c.stare.enabled is False
