@@ -126,10 +126,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.ppo.grad_accum = 1                  # micro-batches per optimizer step (exact token-mean)
 
     c.warmstart = ml_collections.ConfigDict()
-    c.warmstart.steps = 0                # supervised steps on reference solutions before RL (0: off)
+    c.warmstart.steps = 400              # embedded model: supervised steps on reference answers before RL
     c.warmstart.batch_size = 64
     c.warmstart.lr = 3e-3
-    c.warmstart.num_examples = 4096
 
     c.eval = ml_collections.ConfigDict()
     c.eval.enabled = True
@@ -236,7 +235,6 @@ SCHEMA: dict[str, Field] = {
     "optim.weight_decay": _num(0.0), "optim.grad_clip": _num(0.0, None, lo_open=True), "optim.warmup_steps": _int(0),
     "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1),
     "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
-    "warmstart.num_examples": _int(1),
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
     "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1),
     "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),

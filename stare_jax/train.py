@@ -32,6 +32,9 @@ def main(argv=None) -> None:
                                              and not _is_workdir_value(argv, a)])
     workdir = parse_workdir(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
     from stare_jax import distributed
 
     distributed.initialize(config)
@@ -42,9 +45,17 @@ def main(argv=None) -> None:
     except config_lib.ConfigError as e:
         print(str(e), file=sys.stderr)
         sys.exit(2)
-    from stare_jax import trainer
+    from stare_jax import checkpoint, trainer
+    from stare_jax.dynamic_sampling import DynamicSamplingError
 
-    trainer.train(config, workdir)
+    try:
+        trainer.train(config, workdir)
+    except checkpoint.IncompatibleCheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except DynamicSamplingError as e:
+        print(f"error: {e} (the last checkpoint is intact; rerun the command to resume)", file=sys.stderr)
+        sys.exit(1)
 
 
 def _is_workdir_value(argv, arg) -> bool:

@@ -45,53 +45,26 @@ class Run:
 # ----------------------------------------------------------------------------- set-up
 
 def prepare_policy(config, workdir: str, mesh) -> Policy:
-    """Loads the policy to train: `model.path`, or the embedded tiny model (created and warm-started
-    in the workdir on first use, then reused)."""
-    dtype, pdtype = config.model.dtype, config.model.param_dtype
+    """Loads the policy to train: `model.path`, or the embedded tiny model, created (and warm-started
+    by `warmstart.steps` of supervised training on reference answers) in `WORKDIR/model` on first
+    use and reused afterwards."""
+    kw = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, mesh=mesh, remat=config.model.remat)
     if config.model.path:
-        return from_pretrained(config.model.path, dtype=dtype, param_dtype=pdtype, mesh=mesh, remat=config.model.remat)
+        return from_pretrained(config.model.path, **kw)
+    return from_pretrained(embedded_model_dir(config, workdir), **kw)
+
+
+def embedded_model_dir(config, workdir: str) -> str:
+    """Creates (once) the embedded model of `config` under the workdir and returns its directory."""
     from stare_jax.tasks import embedded
 
-    base = os.path.join(workdir, "model", "init")
-    e = config.model.embedded
-    if jax.process_index() == 0:
-        embedded.create_embedded_model(base, hidden_size=e.hidden_size, num_layers=e.num_layers,
-                                       num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
-                                       intermediate_size=e.intermediate_size, seed=config.seed)
-    _barrier("embedded-model")
-    if config.warmstart.steps <= 0:
-        return from_pretrained(base, dtype=dtype, param_dtype=pdtype, mesh=mesh, remat=config.model.remat)
-    warm = os.path.join(workdir, "model", "warmstart")
-    done = os.path.join(warm, "warmstart.json")
-    if not os.path.exists(done):
-        _run_warmstart(config, base, warm, mesh)
-    return from_pretrained(warm, dtype=dtype, param_dtype=pdtype, mesh=mesh, remat=config.model.remat)
-
-
-def _run_warmstart(config, base: str, out: str, mesh) -> None:
-    from stare_jax import warmstart
-    from stare_jax.models import save_pretrained
-    from stare_jax.tasks import countdown
-
-    policy = from_pretrained(base, mesh=mesh)
-    tok = policy.tokenizer
-    ccfg = countdown_config(config)
-    problems = countdown.generate_problems(config.seed + 7919, config.warmstart.num_examples, config=ccfg,
-                                           split="warmstart")
-    eos = tok.eos_token_id
-    pairs = [(encode(tok, p.prompt), encode(tok, ref) + [eos]) for p, ref in problems]
-    data = warmstart.pack_examples(pairs, config.data.max_prompt_len, config.rollout.max_new_tokens,
-                                   pad_id=tok.pad_token_id or 0)
-    t0 = time.time()
-    losses = warmstart.supervised_train(policy.model, data, steps=config.warmstart.steps,
-                                        batch_size=config.warmstart.batch_size, lr=config.warmstart.lr,
-                                        seed=config.seed, mesh=mesh)
-    if jax.process_index() == 0:
-        save_pretrained(policy, out)
-        ckpt_lib.write_json_atomic(os.path.join(out, "warmstart.json"), {
-            "steps": config.warmstart.steps, "final_loss": losses[-1], "seconds": time.time() - t0})
-    _barrier("warmstart")
-    log.info("warm start: %d steps, loss %.3f -> %.3f (%.0fs)", len(losses), losses[0], losses[-1], time.time() - t0)
+    e, w = config.model.embedded, config.warmstart
+    path = os.path.join(workdir, "model")
+    embedded.create_embedded_model(path, hidden_size=e.hidden_size, num_layers=e.num_layers, num_heads=e.num_heads,
+                                   num_kv_heads=e.num_kv_heads, intermediate_size=e.intermediate_size,
+                                   seed=config.seed, warmup_steps=w.steps, warmup_batch_size=w.batch_size,
+                                   warmup_lr=w.lr, task_config=countdown_config(config))
+    return path
 
 
 def countdown_config(config):
@@ -103,12 +76,245 @@ def countdown_config(config):
                                      max_number=d.countdown_max_number, max_target=d.countdown_max_target)
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` without special tokens."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def data_sources(config, workdir: str):
+    """(train source, {eval name: eval source}) for the configured dataset."""
+    from stare_jax import data
+
+    data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
+    if config.data.name == "countdown":
+        kw = dict(seed=config.seed, train_size=config.data.num_train, test_size=config.data.num_eval,
+                  task=countdown_config(config))
+        return data.countdown_source(data_dir, "train", **kw), {"countdown": data.countdown_source(data_dir, "test", **kw)}
+    train_files = [f for f in config.data.train_files.split(",") if f]
+    splits = {"train": train_files}
+    evals = {}
+    for f in (f for f in config.data.eval_files.split(",") if f):
+        name = os.path.splitext(os.path.basename(f))[0]
+        evals[name] = data.math_source(data_dir, "test", splits={"test": [f]}, name=f"eval_{name}")
+    return data.math_source(data_dir, "train", splits=splits), evals
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
+def prompt_style(config) -> str:
+    return "plain" if config.data.name == "countdown" else "math"
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pad_id):
+    """Generates groups until `data.prompt_batch_size` groups with reward spread are kept (DAPO), or
+    takes the first generation batch when dynamic sampling is off.
+
+    Returns (batch of host arrays for the update step, rollout metrics). Raises
+    DynamicSamplingError after `dynamic_sampling.max_num_gen_batches` generation batches.
+    """
+    from stare_jax.rollout import generate
+
+    G = config.rollout.group_size
+    ds = config.dynamic_sampling
+    buffer = GroupBuffer(config.data.prompt_batch_size // jax.process_count(), G)
+    all_rewards, lengths, truncated = [], [], []
+    reward_stats: dict[str, float] = {}
+    gen_batches = 0
+    t_generate = t_reward = 0.0
+    for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
+        prompts = next(data_iter)
+        t0 = time.perf_counter()
+        result = generate(model, prompts["prompt_ids"], prompts["prompt_mask"], rng=jax.random.fold_in(key, gen),
+                          group_size=G, max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
+                          temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                          top_k=config.rollout.top_k, pad_id=pad_id)
+        host = jax.device_get({"input_ids": result.tokens, "attention_mask": result.attention_mask,
+                               "response_mask": result.response_mask, "old_log_probs": result.log_probs,
+                               "response_ids": result.response_ids, "truncated": result.truncated})
+        t1 = time.perf_counter()
+        texts = decode_responses(tokenizer, host["response_ids"], host["response_mask"], eos_ids)
+        truths = np.repeat(np.asarray(prompts["ground_truth"]), G)
+        rewards, stats = pool.score(texts, list(truths))
+        t2 = time.perf_counter()
+        t_generate += t1 - t0
+        t_reward += t2 - t1
+        gen_batches += 1
+        for k, v in stats.items():
+            if k != "reward_s":
+                reward_stats[k] = reward_stats.get(k, 0.0) + float(v)
+        all_rewards.append(rewards)
+        lengths.append(host["response_mask"].sum(axis=1))
+        truncated.append(host["truncated"])
+        keep = groups_with_spread(rewards, G) if ds.enabled else np.ones(len(rewards) // G, bool)
+        buffer.add({"input_ids": host["input_ids"], "attention_mask": host["attention_mask"],
+                    "response_mask": host["response_mask"], "old_log_probs": host["old_log_probs"],
+                    "rewards": np.asarray(rewards, np.float32)}, keep)
+        if buffer.full:
+            break
+    if not buffer.full:
+        raise DynamicSamplingError(
+            f"dynamic sampling kept only {buffer.num_groups} of the {buffer.target} groups needed after "
+            f"{gen_batches} generation batches (dynamic_sampling.max_num_gen_batches): almost every group has "
+            f"equal rewards. The task may be too easy or too hard for the policy; raise the limit, or set "
+            f"dynamic_sampling.enabled=False")
+    rewards = np.concatenate(all_rewards)
+    lengths = np.concatenate(lengths)
+    batch = buffer.take()
+    metrics = {
+        "reward_mean": float(rewards.mean()), "accuracy": float((rewards >= 0.5).mean()),
+        "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
+        "truncated_frac": float(np.concatenate(truncated).mean()),
+        "batch_reward_mean": float(batch["rewards"].mean()),
+        "dynamic_sampling_kept_frac": buffer.num_groups / max(buffer.seen_groups, 1),
+        "dynamic_sampling_gen_batches": gen_batches,
+        "generate_s": t_generate, "reward_s": t_reward, **reward_stats,
+    }
+    return batch, metrics
+
+
+def decode_responses(tokenizer, response_ids: np.ndarray, response_mask: np.ndarray, eos_ids) -> list[str]:
+    """Text of each response: its masked tokens, EOS and special tokens removed."""
+    eos = set(int(e) for e in eos_ids)
+    seqs = [[int(t) for t, m in zip(row, mrow) if m and int(t) not in eos]
+            for row, mrow in zip(response_ids, response_mask)]
+    return tokenizer.batch_decode(seqs, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids, pad_id, mesh) -> dict:
+    """avg@n and pass@k (k <= n = eval.n) per eval dataset, sampling at eval.temperature / eval.top_p."""
+    from stare_jax.data import make_eval_iterator
+    from stare_jax.eval_metrics import summarize
+    from stare_jax.rewards import RewardPool
+    from stare_jax.rollout import generate
+
+    n = config.eval.n
+    shards = parallel.batch_divisor(mesh)
+    batch = max(1, min(config.eval.max_prompts, 64))
+    while (batch * n) % shards:
+        batch += 1
+    results = {}
+    with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
+                    timeout_s=config.reward.timeout_s) as pool:
+        for di, (name, source) in enumerate(sorted(eval_sources.items())):
+            rows = []
+            it = make_eval_iterator(source, tokenizer=tokenizer, batch_size=batch,
+                                    max_prompt_len=config.data.max_prompt_len, prompt_style=prompt_style(config),
+                                    limit=config.eval.max_prompts)
+            for bi, prompts in enumerate(it):
+                result = generate(model, prompts["prompt_ids"], prompts["prompt_mask"],
+                                  rng=jax.random.fold_in(jax.random.fold_in(key, di), bi), group_size=n,
+                                  max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
+                                  temperature=config.eval.temperature, top_p=config.eval.top_p, pad_id=pad_id)
+                ids, mask = jax.device_get((result.response_ids, result.response_mask))
+                texts = decode_responses(tokenizer, ids, mask, eos_ids)
+                scores, _ = pool.score(texts, list(np.repeat(np.asarray(prompts["ground_truth"]), n)))
+                correct = (np.asarray(scores).reshape(-1, n) >= 0.5)
+                rows.append(correct[np.asarray(prompts["valid"])])
+            results[name] = summarize(np.concatenate(rows))
+    return results
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def train(config, workdir: str) -> dict:
+    """Runs (or resumes) training as configured; returns the last step's metrics."""
+    from stare_jax import data as data_lib
+    from stare_jax.rewards import RewardPool
+    from stare_jax.rl import abstract_train_state, create_train_state, make_update_step
+
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    mesh = parallel.mesh_from_config(config.mesh)
+    ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
+    ckpt.check_compatible(config)
+
+    policy = prepare_policy(config, workdir, mesh)
+    tokenizer = policy.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{config.model.path}: the model directory has no tokenizer files")
+    eos_ids = tuple(policy.config.eos_token_ids) or (tokenizer.eos_token_id,)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    train_source, eval_sources = data_sources(config, workdir)
+    data_iter = data_lib.make_prompt_iterator(
+        train_source, tokenizer=tokenizer, batch_size=config.data.prompt_batch_size // jax.process_count(),
+        max_prompt_len=config.data.max_prompt_len, seed=config.seed, prompt_style=prompt_style(config))
+
+    ref_model = None
+    if config.loss.kl_type != "none":
+        ref_model = prepare_policy(config, workdir, mesh).model
+    train_state = create_train_state(policy.model, config, mesh=mesh, ref_model=ref_model)
+    update = make_update_step(config, mesh, train_state)
+    base_key = jax.random.key(config.seed)
+
+    start = 0
+    restored = ckpt.restore_latest({"train": abstract_train_state(train_state, mesh),
+                                    "rng": jax.ShapeDtypeStruct((), base_key.dtype,
+                                                                sharding=parallel.replicated(mesh))})
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    if restored is not None:
+        start, state, data_state, _ = restored
+        from flax import nnx
+        nnx.update(train_state, state["train"])
+        base_key = state["rng"]
+        data_iter.set_state(data_state)
+        if jax.process_index() == 0:
+            truncate_jsonl(metrics_path, start - 1)
+        log.info("resumed from step %d", start)
+    elif jax.process_index() == 0 and os.path.exists(metrics_path):
+        truncate_jsonl(metrics_path, -1)  # a run that never checkpointed starts over
+    if jax.process_index() == 0:
+        ckpt_lib.write_json_atomic(os.path.join(workdir, "config.json"), ckpt_lib.config_to_json(config))
+
+    writer = MetricsWriter(workdir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
+                           wandb_project=config.logging.wandb_project, config=ckpt_lib.config_to_json(config))
+    progress = Progress(config.total_steps, start, enabled=config.logging.progress)
+    row: dict = {}
+    pool = RewardPool(config.reward.name, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
+    try:
+        for step in range(start, config.total_steps):
+            step_key = jax.random.fold_in(base_key, step)
+            t0 = time.perf_counter()
+            batch, rollout_metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
+                                                   jax.random.fold_in(step_key, 0), eos_ids=eos_ids, pad_id=pad_id)
+            t1 = time.perf_counter()
+            train_state, update_metrics = update(train_state, parallel.shard_batch(batch, mesh),
+                                                 jax.random.fold_in(step_key, 1))
+            update_metrics = {k: float(v) for k, v in jax.device_get(update_metrics).items()}
+            t2 = time.perf_counter()
+            row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
+                   "step_s": t2 - t0}
+            done = step + 1
+            if config.test_freq and done % config.test_freq == 0 and config.eval.enabled:
+                row.update(_run_eval(config, train_state.model, tokenizer, eval_sources, base_key, done,
+                                     workdir, eos_ids, pad_id, mesh))
+            writer.write(step, row)
+            if done % config.log_every == 0 or done == config.total_steps:
+                progress.update(step, row)
+            if done % config.checkpoint_every == 0 or done == config.total_steps:
+                ckpt.save(done, {"train": _state_of(train_state), "rng": base_key}, data_iter.get_state(),
+                          {"step": done, "config": ckpt_lib.config_to_json(config)})
+        if config.eval.enabled and not (config.test_freq and config.total_steps % config.test_freq == 0) \
+                and start < config.total_steps:
+            _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, config.total_steps, workdir,
+                      eos_ids, pad_id, mesh)
+    finally:
+        progress.close()
+        pool.close()
+        ckpt.close()
+        writer.close()
+    return row
+
+
+def _state_of(train_state):
+    from flax import nnx
+    return nnx.state(train_state)
+
+
+def _run_eval(config, model, tokenizer, eval_sources, base_key, step, workdir, eos_ids, pad_id, mesh) -> dict:
+    """Evaluates, writes WORKDIR/eval/step_<k>.json, returns flat `eval/<dataset>/<metric>` scalars."""
+    t0 = time.perf_counter()
+    results = evaluate_model(config, model, tokenizer, eval_sources, jax.random.fold_in(base_key, 1 << 30 | step),
+                             eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+    if jax.process_index() == 0:
+        os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
+        ckpt_lib.write_json_atomic(os.path.join(workdir, "eval", f"step_{step}.json"),
+                                   {"step": step, "results": results, "eval_s": time.perf_counter() - t0})
+    return {f"eval/{name}/{k}": v for name, r in results.items() for k, v in r.items()
+            if k not in ("num_prompts", "n")}

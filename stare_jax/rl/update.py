@@ -1,0 +1,354 @@
+"""The jitted, mesh-sharded RL update step: `(train_state, batch, rng) -> (train_state, metrics)`.
+
+Batch (global arrays, leading axis N = prompts * G, group by group):
+
+    input_ids       [N, P + R] int32   left-padded prompt (P) then response (R)
+    attention_mask  [N, P + R]
+    response_mask   [N, R]             1 on real response tokens
+    old_log_probs   [N, R]             behaviour log-probs (sampler, temperature 1)
+    rewards         [N]                float32
+
+One step:
+
+ 1. A = group_advantages(rewards) (broadcast over each response's tokens).
+ 2. The pre-update policy's log-probs, entropy and Q = sum_j pi_j^2 (s_j - H) per response token,
+    chunked over the vocabulary (`logprobs.token_stats`), float32.
+ 3. H_bar = token mean of the entropy over all response tokens (stop-gradient);
+    controller <- controller_update(controller, H_bar); STARE weights from the pre-update
+    surprisal with the new gate / W / M (global selection by default); quadrant diagnostics.
+ 4. For each of `ppo_epochs` x `num_minibatches` optimizer steps: the registry loss
+    (`losses.policy_loss`), its gradient accumulated over `grad_accum` micro-batches with exact
+    aggregation over the mini-batch, then clip_by_global_norm + AdamW.
+ 5. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is skipped
+    (parameters and optimizer state unchanged); if any step of the batch was skipped the
+    controller state is left as it was. `nonfinite_skipped` counts the skipped steps.
+
+Paths. With a single optimizer step and no accumulation (the paper's on-policy setting) everything
+happens in one forward + backward: entropy, selection and diagnostics come from the same forward
+(stop-gradient) and the old log-probs are the batch's. Otherwise a first no-grad pass over the
+batch (micro-batch by micro-batch) gives the pre-update statistics; with several optimizer steps
+per batch it also provides the old log-probs (the behaviour log-probs are then not used).
+Selection rules of the loss registry (forking tokens, Clip-Cov, KL-Cov) see the pre-update
+statistics of their mini-batch.
+
+Micro-batch k of the K = num_minibatches * grad_accum micro-batches is the strided row set
+{i K + k}, so that with the batch sharded contiguously over (data, fsdp) every micro-batch is spread
+over all devices without communication. `stare.selection_scope="microbatch"` selects per
+micro-batch per batch shard (the reference code's per-GPU micro-batches).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from stare_jax import parallel
+from stare_jax.models.decoder import positions_from_mask
+from stare_jax.rl.advantages import group_advantages
+from stare_jax.rl.diagnostics import quadrant_diagnostics
+from stare_jax.rl.logprobs import TokenStats, token_stats
+from stare_jax.rl.losses import LossContext, ScopeView, policy_loss
+from stare_jax.rl.settings import RLSettings
+from stare_jax.rl.stare import ControllerState, controller_update, stare_weights_and_sets
+from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
+
+BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
+
+
+def response_token_stats(model, input_ids, attention_mask, response_len: int, *, vocab_chunk: int,
+                         with_pi2: bool = False, temperature: float = 1.0) -> TokenStats:
+    """Per response token [N, R]: log pi(o_t), entropy H_t (and Q_t), from the decoder's final hidden
+    states at positions P-1 .. P+R-2 and its [D, V] output matrix, chunked over the vocabulary."""
+    L = input_ids.shape[1]
+    P_len = L - response_len
+    if P_len < 1:
+        raise ValueError("input_ids must hold at least one prompt token before the response")
+    hidden, _ = model.hidden_states(input_ids, positions_from_mask(attention_mask), attention_mask)
+    h = hidden[:, P_len - 1:L - 1]
+    return token_stats(h, model.output_embedding(), input_ids[:, P_len:], chunk_size=vocab_chunk,
+                       temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
+
+
+@flax.struct.dataclass
+class Prepared:
+    """What step 3 produces: token weights, the new controller state and its metrics."""
+
+    weights: jax.Array
+    controller: ControllerState
+    metrics: dict
+
+
+def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, entropy, pi2_dev, advantages, mask,
+                 *, selection_groups: int = 1) -> Prepared:
+    """H_bar, controller update, STARE weights and diagnostics from pre-update statistics [M, R].
+
+    `selection_groups` is the micro-batch count for `selection_scope="microbatch"` (rows are split
+    into that many contiguous chunks). Metrics: `entropy` (H_bar), `stare_gate_on`, `stare_w`,
+    `stare_m`, `stare_lplus_frac` / `stare_lminus_frac` (fraction of valid tokens selected into
+    L+ / L- this step; 0 when the gate is off or STARE is disabled) and the quadrant diagnostics.
+    """
+    sg = jax.lax.stop_gradient
+    log_probs, entropy = sg(log_probs), sg(entropy)
+    valid = mask > 0
+    count = jnp.maximum(valid.sum(), 1).astype(jnp.float32)
+    h_bar = jnp.sum(jnp.where(valid, entropy, 0.0)) / count
+    new = controller_update(controller, h_bar, settings.stare)
+    st = settings.stare
+    if st.enabled:
+        weights, lplus, lminus = stare_weights_and_sets(
+            log_probs, advantages, mask, top_p_ratio=st.top_p_ratio, w=new.w, m=new.m, variant=st.variant,
+            gate_on=new.gate_on, selection_scope=st.selection_scope, num_microbatches=selection_groups)
+        lplus, lminus = lplus & new.gate_on, lminus & new.gate_on
+    else:
+        weights = jnp.ones_like(log_probs)
+        lplus = lminus = jnp.zeros(log_probs.shape, bool)
+    metrics = {
+        "entropy": h_bar,
+        "stare_gate_on": new.gate_on.astype(jnp.float32),
+        "stare_w": new.w,
+        "stare_m": new.m,
+        "stare_lplus_frac": lplus.sum().astype(jnp.float32) / count,
+        "stare_lminus_frac": lminus.sum().astype(jnp.float32) / count,
+    }
+    metrics.update(quadrant_diagnostics(log_probs, entropy, pi2_dev, advantages, weights, mask))
+    return Prepared(weights=weights, controller=new, metrics=metrics)
+
+
+def single_pass_loss_and_grad(settings: RLSettings, model, controller: ControllerState, *, input_ids,
+                              attention_mask, response_mask, old_log_probs, advantages, rng,
+                              ref_log_probs=None, selection_groups: int = 1):
+    """One forward + backward over a whole batch (the on-policy path).
+
+    Returns (loss, grads, metrics, prepared) where grads is an nnx.State of the model's Params,
+    `advantages` is per token [N, R] and entropy / selection / diagnostics come from the same
+    forward, stop-gradient. Pure: the model is not modified.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    R = response_mask.shape[1]
+    mask = response_mask.astype(jnp.float32)
+    old = old_log_probs.astype(jnp.float32)
+    sg = jax.lax.stop_gradient
+
+    def loss_fn(p):
+        m = nnx.merge(graphdef, p, rest)
+        stats = response_token_stats(m, input_ids, attention_mask, R, vocab_chunk=settings.vocab_chunk, with_pi2=True)
+        prep = prepare_step(settings, controller, stats.log_probs, stats.entropy, stats.pi2_dev, advantages, mask,
+                            selection_groups=selection_groups)
+        view = ScopeView(log_probs=sg(stats.log_probs)[None], old_log_probs=old[None], advantages=advantages[None],
+                         mask=mask[None], entropy=sg(stats.entropy)[None])
+        ctx = LossContext(log_probs=stats.log_probs, old_log_probs=old, advantages=advantages, mask=mask,
+                          entropy=stats.entropy, token_weights=sg(prep.weights), rng=rng, view=view,
+                          index=jnp.int32(0), settings=settings.loss, ref_log_probs=ref_log_probs)
+        loss, metrics = policy_loss(ctx)
+        return loss, (metrics, prep)
+
+    (loss, (metrics, prep)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, grads, metrics, prep
+
+
+def _to_micro(x: jax.Array, K: int) -> jax.Array:
+    """[N, ...] -> [K, N/K, ...] with micro-batch k = rows {i K + k}."""
+    n = x.shape[0] // K
+    return jnp.swapaxes(x.reshape((n, K) + x.shape[1:]), 0, 1)
+
+
+def _constrain_micro(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """Keeps the per-micro-batch row axis (axis 1) sharded over the batch axes."""
+    if mesh.size == 1 or x.shape[1] % parallel.batch_divisor(mesh):
+        return x
+    spec = P(None, parallel.BATCH_AXES, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _tree_where(pred, a, b):
+    return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng):
+    """The whole update step on pure state (see the module docstring)."""
+    ts = nnx.merge(graphdef, state)
+    controller = ts.controller.get()
+    ids = batch["input_ids"].astype(jnp.int32)
+    am = batch["attention_mask"].astype(jnp.int32)
+    mask = batch["response_mask"].astype(jnp.float32)
+    behaviour = batch["old_log_probs"].astype(jnp.float32)
+    N, R = mask.shape
+    K, mb, acc, U = settings.num_micro, settings.num_minibatches, settings.grad_accum, settings.num_updates
+    if N % K:
+        raise ValueError(f"batch of {N} sequences cannot be split into {K} micro-batches "
+                         f"(update.num_minibatches x update.grad_accum)")
+    n = N // K
+    groups = 1
+    if settings.stare.selection_scope == "microbatch":
+        groups = K * parallel.batch_divisor(mesh)
+        if N % groups:
+            raise ValueError(f"selection_scope='microbatch' needs N={N} divisible by micro-batches x batch shards "
+                             f"= {groups}")
+
+    adv_seq = group_advantages(batch["rewards"], settings.group_size, scale=settings.advantage_scale,
+                               eps=settings.advantage_eps)
+    adv = jnp.broadcast_to(adv_seq[:, None], (N, R))
+    rng_loss = jax.random.fold_in(rng, 1)
+
+    def micro(x):
+        return _constrain_micro(_to_micro(x, K), mesh)
+
+    ids_k, am_k, mask_k, adv_k, beh_k = micro(ids), micro(am), micro(mask), micro(adv), micro(behaviour)
+    ref_k = None
+    if settings.loss.uses_reference:
+        def ref_lp(xs):
+            s = response_token_stats(ts.ref_model, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk)
+            return jax.lax.stop_gradient(s.log_probs)
+        ref_k = jax.lax.map(ref_lp, (ids_k, am_k))
+
+    lr_metric = learning_rate_schedule(settings.optim)(ts.optimizer.step[...])
+
+    def apply_grads(st, grads, loss):
+        """clip + AdamW on `st`, unless loss or grad norm is non-finite (then `st` unchanged)."""
+        gnorm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+
+        def do(s):
+            t = nnx.merge(graphdef, s)
+            t.optimizer.update(t.model, grads)
+            return nnx.state(t)
+
+        return jax.lax.cond(ok, do, lambda s: s, st), gnorm, ok
+
+    if K == 1 and U == 1:
+        loss, grads, metrics, prep = single_pass_loss_and_grad(
+            settings, ts.model, controller, input_ids=ids, attention_mask=am, response_mask=mask,
+            old_log_probs=behaviour, advantages=adv, rng=rng_loss,
+            ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups)
+        state, gnorm, ok = apply_grads(state, grads, loss)
+        metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32)}
+        all_ok = ok
+    else:
+        graphdef_m, params0, rest0 = nnx.split(ts.model, nnx.Param, ...)
+
+        def pre(xs):
+            m = nnx.merge(graphdef_m, params0, rest0)
+            s = response_token_stats(m, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, with_pi2=True)
+            return jax.tree_util.tree_map(jax.lax.stop_gradient, (s.log_probs, s.entropy, s.pi2_dev))
+
+        lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
+        flat = lambda x: x.reshape((K * n,) + x.shape[2:])  # noqa: E731  (micro-batch-major rows)
+        prep = prepare_step(settings, controller, flat(lp0), flat(ent0), flat(pi2_0), flat(adv_k), flat(mask_k),
+                            selection_groups=groups)
+        old_k = lp0 if U > 1 else beh_k
+        by_mb = lambda x: x.reshape((mb, acc) + x.shape[1:])  # noqa: E731
+        w_k = prep.weights.reshape(K, n, R)
+        data = {"ids": ids_k, "am": am_k, "mask": mask_k, "adv": adv_k, "old": old_k, "w": w_k, "lp0": lp0,
+                "ent0": ent0}
+        if ref_k is not None:
+            data["ref"] = ref_k
+        data = {k: by_mb(v) for k, v in data.items()}
+
+        def micro_loss(params, rest, d, view, j, key):
+            m = nnx.merge(graphdef_m, params, rest)
+            stats = response_token_stats(m, d["ids"], d["am"], R, vocab_chunk=settings.vocab_chunk)
+            ctx = LossContext(log_probs=stats.log_probs, old_log_probs=d["old"], advantages=d["adv"], mask=d["mask"],
+                              entropy=stats.entropy, token_weights=d["w"], rng=key, view=view, index=j,
+                              settings=settings.loss, ref_log_probs=d.get("ref"))
+            return policy_loss(ctx)
+
+        def one_update(st, u):
+            i = u % mb
+            d_mb = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), data)
+            view = ScopeView(log_probs=d_mb["lp0"], old_log_probs=d_mb["old"], advantages=d_mb["adv"],
+                             mask=d_mb["mask"], entropy=d_mb["ent0"])
+            t = nnx.merge(graphdef, st)
+            _, params, rest = nnx.split(t.model, nnx.Param, ...)
+            key = jax.random.fold_in(rng_loss, u)
+
+            def accumulate(carry, j):
+                g_sum, l_sum, m_sum = carry
+                d_j = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False), d_mb)
+                (l_j, m_j), g_j = jax.value_and_grad(micro_loss, has_aux=True)(params, rest, d_j, view, j, key)
+                add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)  # noqa: E731
+                return (add(g_sum, g_j), l_sum + l_j, add(m_sum, m_j)), None
+
+            metric_shapes = jax.eval_shape(lambda: micro_loss(params, rest, jax.tree_util.tree_map(
+                lambda x: x[0], d_mb), view, jnp.int32(0), key)[1])
+            zeros = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.float32(0.0),
+                     jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+            (grads, loss, metrics), _ = jax.lax.scan(accumulate, zeros, jnp.arange(acc, dtype=jnp.int32))
+            st, gnorm, ok = apply_grads(st, grads, loss)
+            return st, ({**metrics, "loss": loss, "grad_norm": gnorm}, ok)
+
+        state, (per_update, oks) = jax.lax.scan(one_update, state, jnp.arange(U, dtype=jnp.int32))
+        metrics = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), per_update)
+        metrics["nonfinite_skipped"] = U - oks.sum().astype(jnp.float32)
+        all_ok = jnp.all(oks)
+
+    ts = nnx.merge(graphdef, state)
+    ts.controller.set(_tree_where(all_ok, prep.controller, controller))
+    ts.step[...] = ts.step[...] + 1
+    metrics.update(prep.metrics)
+    metrics["advantage_mean"] = jnp.mean(adv_seq)
+    metrics["advantage_std"] = jnp.std(adv_seq)
+    metrics["lr"] = lr_metric
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    return nnx.state(ts), metrics
+
+
+class UpdateStep:
+    """The jitted update step of a train state structure on a mesh.
+
+    `step(train_state, batch, rng) -> (train_state, metrics)` updates the NNX train state in place
+    (its arrays are donated) and returns it with a dict of float32 scalar metrics.
+    `step.apply(state, batch, rng)` is the same on the pure state (`nnx.state(train_state)`), and
+    `step.lower(state, batch, rng)` lowers it (arguments may be abstract `jax.ShapeDtypeStruct`s).
+    """
+
+    def __init__(self, settings: RLSettings, mesh: Mesh, train_state: TrainState, *, donate: bool = True):
+        if settings.loss.uses_reference and train_state.ref_model is None:
+            raise ValueError(f"loss.kl_type={settings.loss.kl_type!r} needs a train state with a reference model")
+        self.settings = settings
+        self.mesh = mesh
+        self.graphdef, state = nnx.split(train_state)
+        self.state_shardings = train_state_shardings(state, mesh)
+        self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in BATCH_NDIMS.items()}
+        replicated = parallel.replicated(mesh)
+        fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
+        self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
+                              out_shardings=(self.state_shardings, replicated),
+                              donate_argnums=(0,) if donate else ())
+
+    @staticmethod
+    def _batch(batch: dict) -> dict:
+        missing = [k for k in BATCH_NDIMS if k not in batch]
+        if missing:
+            raise KeyError(f"batch is missing {missing}; needs {list(BATCH_NDIMS)}")
+        return {k: batch[k] for k in BATCH_NDIMS}
+
+    def apply(self, state, batch: dict, rng) -> tuple[Any, dict]:
+        """Pure form: (new state, metrics) from the pure train state."""
+        return self.jitted(state, self._batch(batch), rng)
+
+    def lower(self, state, batch: dict, rng):
+        """`jax.jit(...).lower` of the step (for compiled memory / cost analysis)."""
+        return self.jitted.lower(state, self._batch(batch), rng)
+
+    def __call__(self, train_state: TrainState, batch: dict, rng) -> tuple[TrainState, dict]:
+        new_state, metrics = self.apply(nnx.state(train_state), batch, rng)
+        nnx.update(train_state, new_state)
+        return train_state, metrics
+
+
+def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, donate: bool = True) -> UpdateStep:
+    """Builds the jitted update step for `train_state`'s structure (real or `nnx.eval_shape`d).
+
+    `config` is the ml_collections config (or an `RLSettings`); `mesh=None` uses one device.
+    """
+    settings = config if isinstance(config, RLSettings) else RLSettings.from_config(config)
+    if mesh is None:
+        mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    return UpdateStep(settings, mesh, train_state, donate=donate)
