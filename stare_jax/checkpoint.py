@@ -78,7 +78,8 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """All step numbers Orbax lists (complete or not), ascending."""
-        return sorted(self._manager.all_steps(read=True))
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
 
     def _quarantine(self, step: int, reason: str) -> None:
         src = os.path.join(self.directory, str(step))

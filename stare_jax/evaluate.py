@@ -1,0 +1,65 @@
+"""Evaluate a run's checkpoint (contract 6 of DESIGN.md).
+
+    python -m stare_jax.evaluate --config configs/quickstart.py --workdir DIR [--n N] [--step K]
+
+Samples N responses per evaluation prompt (eval.temperature, eval.top_p) from the latest (or
+step K) checkpoint and writes DIR/eval/step_<k>.json with avg@N and unbiased pass@k per dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+def _flag(argv, name, cast, default=None):
+    for i, a in enumerate(argv):
+        if a == f"--{name}" and i + 1 < len(argv):
+            return cast(argv[i + 1])
+        if a.startswith(f"--{name}="):
+            return cast(a.split("=", 1)[1])
+    return default
+
+
+def main(argv=None) -> None:
+    """Parses flags, restores the checkpoint, evaluates, writes and prints the results."""
+    argv = list(sys.argv if argv is None else argv)
+    from stare_jax import config as config_lib
+    from stare_jax.train import parse_workdir
+
+    own = {"--workdir", "--n", "--step"}
+    config_args = [a for i, a in enumerate(argv) if a.split("=")[0] not in own
+                   and not (i > 0 and argv[i - 1] in own)]
+    config = config_lib.load_config_or_exit(config_args)
+    workdir = parse_workdir(argv)
+    n = _flag(argv, "n", int)
+    if n is not None:
+        if n < 1:
+            print(f"config error: --n: got {n}; allowed: an integer >= 1", file=sys.stderr)
+            sys.exit(2)
+        config.eval.n = n
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    import jax
+
+    from stare_jax import trainer
+
+    cli_eval = config.eval
+    # Model and data come from the run's saved config; the evaluation settings from this command.
+    config, policy, step = trainer.load_trained_policy(workdir, step=_flag(argv, "step", int))
+    for key, value in cli_eval.items():
+        config.eval[key] = value
+    tok = policy.tokenizer
+    eos_ids = tuple(policy.config.eos_token_ids) or (tok.eos_token_id,)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    _, eval_sources = trainer.data_sources(config, workdir)
+    row = trainer._run_eval(config, policy.model, tok, eval_sources, jax.random.key(config.seed), step, workdir,
+                            eos_ids, pad_id, policy.mesh)
+    print(json.dumps({"step": step, **row}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Export a run's checkpoint as a Hugging Face directory (contract 6 of DESIGN.md).
+
+    python -m stare_jax.export --workdir DIR --out OUT [--step K] [--dtype float32|bfloat16]
+
+The checkpoint is restored onto one local device, whatever mesh wrote it, and written with
+`stare_jax.models.save_pretrained` (config.json, safetensors, tokenizer) for `transformers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv=None) -> None:
+    """Restores the checkpoint and writes the HF directory."""
+    parser = argparse.ArgumentParser(prog="python -m stare_jax.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    args = parser.parse_args(None if argv is None else argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from stare_jax import trainer
+    from stare_jax.models import save_pretrained
+
+    try:
+        _, policy, step = trainer.load_trained_policy(args.workdir, step=args.step)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    save_pretrained(policy, args.out, dtype=args.dtype)
+    print(f"exported step {step} of {args.workdir} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
