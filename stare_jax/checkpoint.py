@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ from stare_jax import config as config_lib
 log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
+FAULT_KILL_DURING_SAVE = "STARE_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL right after save(step) starts
 _COMMIT = "commit_success.txt"
 
 # Keys that may change between a run and its resumption: they do not alter what the saved state
@@ -99,6 +101,9 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta)), force=True)
         if not saved:
             raise RuntimeError(f"checkpoint for step {step} was not written (existing steps: {self.steps()})")
+        if os.environ.get(FAULT_KILL_DURING_SAVE) == str(step):
+            # Fault injection for the tests: die while the asynchronous save is in flight.
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def wait(self) -> None:
         """Blocks until pending saves are committed."""

@@ -25,7 +25,8 @@ def summarize(correct: np.ndarray, ks: Sequence[int] | None = None) -> dict[str,
     if ks is None:
         ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, n) if k <= n})
     c = correct.sum(axis=1).astype(int)
-    out = {f"avg@{n}": float(correct.mean()) if num else 0.0, "num_prompts": num, "n": n}
+    out = {f"avg@{n}": float(correct.mean()) if num else 0.0, "num_prompts": num, "n": n,
+           "num_correct": [int(ci) for ci in c]}
     for k in ks:
         out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(ci), k) for ci in c])) if num else 0.0
     return out

@@ -46,6 +46,7 @@ def main(argv=None) -> None:
         print(str(e), file=sys.stderr)
         sys.exit(2)
     from stare_jax import checkpoint, trainer
+    from stare_jax.data import DataFormatError
     from stare_jax.dynamic_sampling import DynamicSamplingError
 
     try:
@@ -53,6 +54,9 @@ def main(argv=None) -> None:
     except checkpoint.IncompatibleCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except DataFormatError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        sys.exit(1)
     except DynamicSamplingError as e:
         print(f"error: {e} (the last checkpoint is intact; rerun the command to resume)", file=sys.stderr)
         sys.exit(1)

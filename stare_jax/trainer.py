@@ -317,7 +317,7 @@ def _run_eval(config, model, tokenizer, eval_sources, base_key, step, workdir, e
         ckpt_lib.write_json_atomic(os.path.join(workdir, "eval", f"step_{step}.json"),
                                    {"step": step, "results": results, "eval_s": time.perf_counter() - t0})
     return {f"eval/{name}/{k}": v for name, r in results.items() for k, v in r.items()
-            if k not in ("num_prompts", "n")}
+            if k not in ("num_prompts", "n", "num_correct")}
 
 
 # ----------------------------------------------------------------------------- trained policies

@@ -1,1 +1,11 @@
-"""Grouped rollouts: the jitted KV-cache sampler."""
+"""Grouped rollouts: the jitted KV-cache sampler (`generate`, contract 7 of DESIGN.md).
+
+Modules: `sampler` (the public entry point and the jitted rollout), `decode` (one decode step
+over the grouped KV cache), `sampling` (temperature / top-k / top-p / greedy token choice).
+"""
+
+from stare_jax.rollout.sampler import RolloutResult, RolloutSpec, generate, grouped_rollout
+from stare_jax.rollout.sampling import SamplingParams, choose_tokens, filter_logits, token_log_probs
+
+__all__ = ["RolloutResult", "RolloutSpec", "generate", "grouped_rollout", "SamplingParams", "choose_tokens",
+           "filter_logits", "token_log_probs"]

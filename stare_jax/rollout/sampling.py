@@ -9,6 +9,7 @@ with top-k the nucleus is computed over the k candidates from `lax.top_k`.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +60,37 @@ def filter_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
-def choose_tokens(logits: jax.Array, key: jax.Array | None, params: SamplingParams) -> jax.Array:
+def choose_tokens(logits: jax.Array, uniforms: jax.Array | None, params: SamplingParams) -> jax.Array:
     """int32 token ids [N]: argmax of the raw logits when greedy, else one draw per row from
-    softmax(filter_logits(logits)) (Gumbel-max with noise drawn from `key`)."""
+    softmax(filter_logits(logits)) at the row's uniform number in [0, 1) (`uniforms`: [N]),
+    by `inverse_cdf`. One random number per row, where Gumbel-max needs V."""
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(logits, params), axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits, params)
+    return inverse_cdf(jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True)), uniforms)
+
+
+def inverse_cdf(weights: jax.Array, uniforms: jax.Array) -> jax.Array:
+    """For each row of non-negative `weights` [N, V] (not necessarily normalised), the index j with
+    cdf[j-1] <= u * cdf[V-1] < cdf[j], where u = `uniforms` [N] in [0, 1) and cdf = cumsum(weights).
+
+    Entries of weight 0 are never chosen. The search runs in two levels, over blocks of about
+    sqrt(V) entries and then inside the chosen block, which keeps it linear in V.
+    """
+    N, V = weights.shape
+    block = 1 << max(0, math.ceil(math.log2(V) / 2))
+    num_blocks = -(-V // block)
+    blocks = jnp.pad(weights, ((0, 0), (0, num_blocks * block - V))).reshape(N, num_blocks, block)
+    block_cdf = jnp.cumsum(blocks.sum(axis=-1), axis=-1)                          # [N, num_blocks]
+    total = block_cdf[:, -1:]
+    # target < total strictly, even where u * total would round up to it.
+    target = jnp.minimum(uniforms.astype(jnp.float32)[:, None] * total, jnp.nextafter(total, 0.0))
+    b = jnp.sum(block_cdf <= target, axis=-1, keepdims=True)                      # block_cdf[b-1] <= target < block_cdf[b]
+    before = jnp.where(b > 0, jnp.take_along_axis(block_cdf, jnp.maximum(b - 1, 0), axis=-1), 0.0)
+    inner_cdf = jnp.cumsum(jnp.take_along_axis(blocks, b[:, :, None], axis=1)[:, 0], axis=-1)  # [N, block]
+    # Rounding may put target - before at or past the block's own total: stop at its last non-zero entry.
+    rest = jnp.minimum(target - before, jnp.nextafter(inner_cdf[:, -1:], 0.0))
+    return (b[:, 0] * block + jnp.sum(inner_cdf <= rest, axis=-1)).astype(jnp.int32)
 
 
 def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

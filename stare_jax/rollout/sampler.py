@@ -1,0 +1,235 @@
+"""Grouped rollouts with a KV cache: `generate` (contract 7 of DESIGN.md).
+
+One jitted pure function (`grouped_rollout`) does the whole rollout on device:
+
+1. prefill: the B left-padded prompts run once through the decoder in one call, which fills
+   the prompt part of the cache; only the last position's logits are projected to the vocabulary;
+2. grouping: each prompt gets G response rows (rows i*G .. i*G+G-1 answer prompt i). The rows
+   of a group share their prompt's keys/values (see `stare_jax.rollout.decode`); each row has
+   its own preallocated response cache of R slots;
+3. decode: a `lax.while_loop` samples one token per row per step, records it with its
+   temperature-1 log-prob, and feeds it back; it stops as soon as every row has produced an
+   EOS, or after R tokens.
+
+The model enters as (graphdef, state): the graphdef and the `RolloutSpec` are static, the
+parameters are ordinary arguments, so new parameter values after an optimizer step reuse the
+compiled function; one compilation exists per (model structure, spec, prompt shape). The cache
+is created inside the jitted function and updated in place by the loop; it never crosses the
+function boundary, so there is no cache buffer to copy in, donate or copy out.
+
+Randomness: one uniform number per row and step, drawn up front as an [R, N] array from `rng`
+(see `sampling.choose_tokens`). With the default partitionable threefry the numbers depend only
+on the key and the shape, not on the sharding, so a mesh gives the rollouts of one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from stare_jax import parallel
+from stare_jax.models.decoder import Decoder, positions_from_mask
+from stare_jax.rollout.decode import decode_step, empty_response_cache, layer_params, prompt_cache
+from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "attention_mask", "response_ids", "response_mask", "log_probs",
+                                "truncated"],
+                   meta_fields=["prompt_len"])
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+    """G responses per prompt, rows ordered group by group (N = B*G, R = max_new_tokens).
+
+    tokens         int32 [N, P+R]  prompt ids (as given, padding included) then response ids
+    attention_mask int32 [N, P+R]  prompt mask then response mask
+    response_ids   int32 [N, R]    sampled ids; the pad id after the first EOS
+    response_mask  int32 [N, R]    1 up to and including the first EOS, 0 after
+    log_probs      f32   [N, R]    log softmax(logits)[token] at temperature 1; 0 where masked
+    truncated      bool  [N]       no EOS within R tokens
+    prompt_len     int             P (static)
+    """
+
+    tokens: jax.Array
+    attention_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    log_probs: jax.Array
+    truncated: jax.Array
+    prompt_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """The static description of a rollout (hashable: one compilation per spec and shape).
+
+    `mesh`, when set, splits the rows over its ("data", "fsdp") axes.
+    """
+
+    group_size: int
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    sampling: SamplingParams
+    mesh: Mesh | None = None
+
+
+def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_size: int, max_new_tokens: int,
+             eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+             pad_id: int | None = None, mesh: Mesh | None = None) -> RolloutResult:
+    """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
+
+    `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
+    [B, P] with at least one real token per row. Sampling uses softmax(logits / temperature)
+    restricted to the top-k tokens (0 = off) and the top-p nucleus (1.0 = off), or the argmax
+    when `greedy`. A response ends at its first token in `eos_ids` (kept, masked 1) and is
+    padded with `pad_id` (default: the model's pad id, else the first EOS id, else 0) after it.
+    All randomness comes from `rng` (unused when greedy), so a key determines the rollout.
+
+    With a mesh (`mesh=`, else `Policy.mesh`, else the one the parameters live on) the B*G rows
+    are split over the ("data", "fsdp") axes, whose size must divide B*G.
+    """
+    model = getattr(policy, "model", policy)
+    if not isinstance(model, Decoder):
+        raise TypeError(f"policy must be a Policy or a Decoder, got {type(policy).__name__}")
+    graphdef, state = nnx.split(model)
+    mesh = mesh or getattr(policy, "mesh", None) or _mesh_of(state)
+    eos_ids = tuple(int(e) for e in (eos_ids if isinstance(eos_ids, (tuple, list)) else (eos_ids,)))
+    if pad_id is None:
+        pad_id = model.config.pad_token_id
+        pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    spec = RolloutSpec(group_size=int(group_size), max_new_tokens=int(max_new_tokens), eos_ids=eos_ids,
+                       pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
+                                                                   bool(greedy)), mesh=mesh)
+    if spec.group_size < 1 or spec.max_new_tokens < 1:
+        raise ValueError(f"group_size and max_new_tokens must be >= 1, got {group_size} and {max_new_tokens}")
+    if np.ndim(prompt_ids) != 2 or np.shape(prompt_ids) != np.shape(prompt_mask) or np.shape(prompt_ids)[1] < 1:
+        raise ValueError(f"prompt_ids and prompt_mask must both be [B, P] with P >= 1, got shapes "
+                         f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
+    rows = np.shape(prompt_ids)[0] * spec.group_size
+    if mesh is not None and rows % parallel.batch_divisor(mesh):
+        raise ValueError(f"batch * group_size = {rows} rows is not divisible by the {parallel.batch_divisor(mesh)} "
+                         f"batch shards of the mesh (data x fsdp of {dict(mesh.shape)})")
+    if rng is None:
+        if not greedy:
+            raise ValueError("rng is required unless greedy=True")
+        rng = jax.random.key(0)
+    inputs = (jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), rng)
+    if mesh is not None:
+        inputs = jax.device_put(inputs, parallel.replicated(mesh))
+    return _compiled_rollout(graphdef, spec)(state, *inputs)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_rollout(graphdef, spec: RolloutSpec):
+    """The jitted `grouped_rollout` for one model structure and spec (jit caches per input shape)."""
+    out_shardings = None if spec.mesh is None else NamedSharding(spec.mesh, P(parallel.BATCH_AXES))
+    return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec), out_shardings=out_shardings)
+
+
+trace_count = 0  # times `grouped_rollout` has been traced (compiled); tests check that calls reuse it
+
+
+def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
+                    spec: RolloutSpec) -> RolloutResult:
+    """Pure rollout of `nnx.merge(graphdef, state)`: prefill the [B, P] prompts once, then decode
+    up to R tokens for each of the G rows per prompt. Jit it with `graphdef` and `spec` static."""
+    global trace_count
+    trace_count += 1
+    model: Decoder = nnx.merge(graphdef, state)
+    B, prompt_len = prompt_ids.shape
+    G, R = spec.group_size, spec.max_new_tokens
+    N = B * G
+    rows = _constraint(spec.mesh, P(parallel.BATCH_AXES))
+    kv_sharding = lambda n: _constraint(spec.mesh, _kv_spec(model, spec.mesh, n))
+    repeat = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=N)
+
+    hidden, prefill = model.hidden_states(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
+                                          cache=model.init_cache(B, prompt_len), cache_index=0)
+    prompt = prompt_cache(prefill, prompt_mask)
+    prompt = prompt._replace(layers=[tuple(map(kv_sharding(B), kv)) for kv in prompt.layers])
+    response = [tuple(map(kv_sharding(N), kv)) for kv in empty_response_cache(model, N, R)]
+    first_logits = rows(repeat(model.logits(hidden[:, -1])))
+    prompt_mask = rows(repeat(prompt_mask))
+    prompt_lengths = prompt_mask.sum(axis=1)
+    layers = layer_params(model)
+
+    uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
+        jax.random.uniform(rng, (R, N), jnp.float32))
+
+    def record(outputs, t, logits):
+        """Chooses token t of every row from `logits` and writes it into the output buffers."""
+        done, ids, mask, logps = outputs
+        token = choose_tokens(logits, None if uniforms is None else uniforms[t], spec.sampling)
+        live = ~done
+        token = jnp.where(live, token, spec.pad_id)
+        logp = jnp.where(live, token_log_probs(logits, token), 0.0)
+        done = done | (live & _is_eos(token, spec.eos_ids))
+        outputs = (done, ids.at[:, t].set(token), mask.at[:, t].set(live.astype(jnp.int32)), logps.at[:, t].set(logp))
+        return outputs, token
+
+    outputs = (rows(jnp.zeros((N,), bool)), rows(jnp.full((N, R), spec.pad_id, jnp.int32)),
+               rows(jnp.zeros((N, R), jnp.int32)), rows(jnp.zeros((N, R), jnp.float32)))
+    outputs, token = record(outputs, 0, first_logits)
+
+    def keep_going(carry):
+        t, _, _, (done, *_) = carry
+        return (t < R) & ~jnp.all(done)
+
+    def step(carry):
+        """Feeds token t-1 (response slot t-1) and records token t."""
+        t, response, token, outputs = carry
+        logits, response = decode_step(model, layers, prompt, response, token, prompt_lengths + t - 1, t - 1)
+        outputs, token = record(outputs, t, logits)
+        return t + 1, response, token, outputs
+
+    carry = jax.lax.while_loop(keep_going, step, (jnp.int32(1), response, token, outputs))
+    done, ids, mask, logps = carry[3]
+    return RolloutResult(tokens=jnp.concatenate([rows(repeat(prompt_ids)), ids], axis=1),
+                         attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
+                         response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
+                         prompt_len=prompt_len)
+
+
+def _is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """True where `token` is one of `eos_ids` (never when there are none)."""
+    hit = jnp.zeros(token.shape, bool)
+    for e in eos_ids:
+        hit = hit | (token == e)
+    return hit
+
+
+def _mesh_of(state) -> Mesh | None:
+    """The mesh the parameters are sharded on, if any."""
+    for leaf in jax.tree_util.tree_leaves(state):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+def _kv_spec(model: Decoder, mesh: Mesh | None, rows: int) -> P:
+    """Sharding of one layer's keys or values [rows, K, S, hd]: rows over the batch axes and KV
+    heads over `tensor`, each where the mesh divides them."""
+    if mesh is None:
+        return P()
+    batch = parallel.BATCH_AXES if rows % parallel.batch_divisor(mesh) == 0 else None
+    heads = "tensor" if model.config.num_kv_heads % mesh.shape["tensor"] == 0 else None
+    return P(batch, heads, None, None)
+
+
+def _constraint(mesh: Mesh | None, spec: P):
+    """x -> x constrained to `spec` on `mesh` (the identity without a mesh)."""
+    if mesh is None:
+        return lambda x: x
+    sharding = NamedSharding(mesh, spec)
+    return lambda x: jax.lax.with_sharding_constraint(x, sharding)
+
+
+__all__ = ["RolloutResult", "RolloutSpec", "generate", "grouped_rollout"]

@@ -1,0 +1,284 @@
+"""The main job end to end (issue 5): kill-and-resume exactness, bad input, export, evaluate.
+
+Runs use a tiny embedded model built once per session, passed as `model.path` so every run goes
+through the same Hugging Face loading path as a real model.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from stare_jax import checkpoint as ckpt_lib
+from stare_jax import config as config_lib
+from stare_jax.eval_metrics import pass_at_k
+from stare_jax.writers import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
+TIMING = ("_s",)
+
+
+def _tiny_overrides(model_dir, data_dir, **extra):
+    o = {
+        "model.path": model_dir, "data.data_dir": data_dir, "data.num_train": 64, "data.num_eval": 8,
+        "data.prompt_batch_size": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
+        "dynamic_sampling.enabled": False, "total_steps": 6, "checkpoint_every": 2, "eval.enabled": False,
+        "reward.num_workers": 1, "optim.lr": 1e-3, "logging.progress": False, "logging.tensorboard": False,
+        "stare.target_entropy": 5.0,  # keep the STARE gate on so its path is exercised
+    }
+    o.update(extra)
+    return o
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from stare_jax.tasks import embedded
+
+    root = tmp_path_factory.mktemp("e2e")
+    model = embedded.create_embedded_model(str(root / "model"), hidden_size=32, num_layers=1, num_heads=2,
+                                           num_kv_heads=1, intermediate_size=64, warmup_steps=30,
+                                           task_config=_task())
+    return model, str(root / "tfds")
+
+
+def _task():
+    from stare_jax.tasks import countdown
+    return countdown.CountdownConfig(min_numbers=3, max_numbers=3, max_number=9, max_target=30)
+
+
+def _args(overrides):
+    return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+def _env(**extra):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    env.update(extra)
+    return env
+
+
+def _cmd(workdir, overrides):
+    return [sys.executable, "-m", "stare_jax.train", "--config", QUICKSTART, "--workdir", workdir, *_args(overrides)]
+
+
+def _run(workdir, overrides, **env):
+    r = subprocess.run(_cmd(workdir, overrides), cwd=ROOT, env=_env(**env), capture_output=True, text=True,
+                       timeout=600)
+    return r
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model, tmp_path_factory):
+    model, data = tiny_model
+    workdir = str(tmp_path_factory.mktemp("ref") / "run")
+    r = _run(workdir, _tiny_overrides(model, data))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return workdir, _comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
+
+
+def test_reference_run_writes_contract_metrics(reference_run):
+    workdir, rows = reference_run
+    assert [r["step"] for r in rows] == list(range(6))
+    required = {"step", "entropy", "reward_mean", "accuracy", "response_length_mean", "loss", "grad_norm",
+                "stare_gate_on", "stare_w", "stare_m", "stare_lplus_frac", "stare_lminus_frac"}
+    assert required <= set(rows[0])
+    raw = read_jsonl(os.path.join(workdir, "metrics.jsonl"))[0]
+    assert "rollout_s" in raw and "update_s" in raw
+    assert {"quad_pos_high_frac", "quad_neg_low_dH"} <= set(rows[0])
+    assert all(r["stare_gate_on"] == 1.0 for r in rows)
+    assert os.path.isdir(os.path.join(workdir, "checkpoints", "6"))
+
+
+def test_sigkill_at_random_moment_then_resume_is_bitwise_identical(tiny_model, reference_run, tmp_path):
+    model, data = tiny_model
+    _, ref_rows = reference_run
+    workdir = str(tmp_path / "run")
+    overrides = _tiny_overrides(model, data)
+    kill_after_rows = random.Random(os.getpid()).randint(1, 5)
+    proc = subprocess.Popen(_cmd(workdir, overrides), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= kill_after_rows:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = _run(workdir, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _comparable(read_jsonl(metrics)) == ref_rows
+
+
+def test_sigkill_during_checkpoint_save_then_resume(tiny_model, reference_run, tmp_path):
+    model, data = tiny_model
+    _, ref_rows = reference_run
+    workdir = str(tmp_path / "run")
+    overrides = _tiny_overrides(model, data)
+    r = _run(workdir, overrides, **{ckpt_lib.FAULT_KILL_DURING_SAVE: "4"})
+    assert r.returncode == -signal.SIGKILL
+    ckpts = os.listdir(os.path.join(workdir, "checkpoints"))
+    assert "2" in ckpts and "4" not in ckpts and any(c.startswith("4.") for c in ckpts)  # half-written step 4
+    # Also a marker-less step directory, which Orbax alone would count as the latest step.
+    os.makedirs(os.path.join(workdir, "checkpoints", "5"))
+    r = _run(workdir, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "moved aside" in r.stderr
+    assert _comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == ref_rows
+
+
+def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
+    model, data = tiny_model
+    workdir, _ = reference_run
+    before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+    r = _run(workdir, _tiny_overrides(model, data, **{"loss.name": "grpo", "stare.enabled": False}))
+    assert r.returncode == 2
+    assert "loss.name" in r.stderr and "cannot resume" in r.stderr
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
+    # A resumable change (more steps) is accepted and continues from the last checkpoint.
+    r = _run(workdir, _tiny_overrides(model, data, total_steps=7))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))] == list(range(7))
+
+
+# ----------------------------------------------------------------------------- bad input, in process
+
+def _config(model, data, **extra):
+    c = config_lib.default_config()
+    for key, value in _tiny_overrides(model, data, **extra).items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    config_lib.validate(c)
+    return c
+
+
+@pytest.mark.parametrize("reward, stat", [
+    ("tests.train_fixtures:raise_sometimes", "reward_errors"),
+    ("tests.train_fixtures:nan_sometimes", "reward_nonfinite"),
+    ("tests.train_fixtures:hang_sometimes", "reward_timeouts"),
+])
+def test_misbehaving_reward_is_scored_zero_counted_and_training_continues(tiny_model, tmp_path, reward, stat):
+    from stare_jax import trainer
+
+    model, data = tiny_model
+    config = _config(model, data, **{"reward.name": reward, "reward.timeout_s": 0.5, "reward.num_workers": 2,
+                                     "total_steps": 2, "checkpoint_every": 1})
+    t0 = time.time()
+    trainer.train(config, str(tmp_path / "run"))
+    rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    assert len(rows) == 2
+    assert sum(r[stat] for r in rows) > 0
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    assert time.time() - t0 < 240
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_parameters(tiny_model, tmp_path):
+    import jax
+    from flax import nnx
+
+    from stare_jax import trainer
+    from stare_jax.models import from_pretrained
+
+    model, data = tiny_model
+    workdir = str(tmp_path / "run")
+    config = _config(model, data, **{"reward.name": "tests.train_fixtures:overflow_reward", "total_steps": 1,
+                                     "checkpoint_every": 1})
+    trainer.train(config, workdir)
+    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    assert rows[0]["nonfinite_skipped"] == 1.0
+    _, after, step = trainer.load_trained_policy(workdir)
+    assert step == 1
+    before = from_pretrained(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(before.model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(after.model, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_incompatible_reward_change_is_allowed_only_for_resources(tiny_model):
+    model, data = tiny_model
+    a = ckpt_lib.config_to_json(_config(model, data))
+    b = ckpt_lib.config_to_json(_config(model, data, **{"reward.timeout_s": 3.0, "total_steps": 9}))
+    assert ckpt_lib.incompatible_keys(a, b) == []
+    c = ckpt_lib.config_to_json(_config(model, data, **{"stare.w": 2.0}))
+    assert ckpt_lib.incompatible_keys(a, c) == ["stare.w"]
+
+
+def test_empty_and_malformed_dataset_files_name_file_and_line(tiny_model, tmp_path):
+    from stare_jax import trainer
+    from stare_jax.data import DataFormatError
+
+    model, data = tiny_model
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": \n')
+    for path, pattern in ((empty, "empty.jsonl"), (bad, r"bad.jsonl.*line 2")):
+        config = _config(model, data, **{"data.name": "math", "data.train_files": str(path), "reward.name": "math",
+                                         "data.data_dir": str(tmp_path / f"tfds_{path.stem}")})
+        with pytest.raises(DataFormatError, match=pattern):
+            trainer.train(config, str(tmp_path / f"run_{path.stem}"))
+
+
+# ----------------------------------------------------------------------------- export and evaluate
+
+def test_export_loads_in_transformers_with_matching_logits(reference_run, tmp_path):
+    import torch
+    import transformers
+
+    from stare_jax import trainer
+    from tests import hf_fixtures
+
+    workdir, _ = reference_run
+    out = str(tmp_path / "hf")
+    r = subprocess.run([sys.executable, "-m", "stare_jax.export", "--workdir", workdir, "--out", out], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, policy, _ = trainer.load_trained_policy(workdir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok.encode("3 5 7=12:", add_special_tokens=False)) == "3 5 7=12:"
+    ids, mask, pos = hf_fixtures.left_padded_batch(lengths=(10, 6, 3), total=10, vocab=policy.config.vocab_size)
+    ref = hf_fixtures.torch_logits(hf, ids, mask, pos)
+    ours = np.asarray(policy(ids, mask))
+    assert np.abs(ours - ref)[mask > 0].max() <= 1e-4
+
+
+def test_evaluate_writes_avg_and_pass_at_k_matching_hand_computation(reference_run, tmp_path):
+    workdir, _ = reference_run
+    r = subprocess.run([sys.executable, "-m", "stare_jax.evaluate", "--config", QUICKSTART, "--workdir", workdir,
+                        "--n", "4", "--config.eval.max_prompts=8", "--config.reward.num_workers=1"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    step = json.loads(r.stdout.strip().splitlines()[-1])["step"]
+    result = json.load(open(os.path.join(workdir, "eval", f"step_{step}.json")))["results"]["countdown"]
+    c = np.asarray(result["num_correct"])
+    assert result["n"] == 4 and result["num_prompts"] == 8 == len(c)
+    assert result["avg@4"] == pytest.approx(c.sum() / 32)
+    # pass@k by hand: 1 - C(n - c, k) / C(n, k).
+    from math import comb
+    for k in (1, 2, 4):
+        hand = np.mean([1 - comb(4 - ci, k) / comb(4, k) for ci in c])
+        assert result[f"pass@{k}"] == pytest.approx(hand)
+
+
+def test_pass_at_k_hand_cases():
+    assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 4)

@@ -1,0 +1,30 @@
+"""Reward functions for the end-to-end trainer tests (imported by spec in the verifier workers)."""
+
+import math
+import time
+
+from stare_jax.tasks.countdown import score
+
+
+def raise_sometimes(response: str, ground_truth: str) -> float:
+    """The countdown score, but raises on every response of even length."""
+    if len(response) % 2 == 0:
+        raise ValueError("verifier bug")
+    return score(response, ground_truth)
+
+
+def hang_sometimes(response: str, ground_truth: str) -> float:
+    """The countdown score, but hangs on responses of length 3 (mod 4)."""
+    if len(response) % 4 == 3:
+        time.sleep(600)
+    return score(response, ground_truth)
+
+
+def nan_sometimes(response: str, ground_truth: str) -> float:
+    """NaN on responses of odd length, else the countdown score."""
+    return math.nan if len(response) % 2 else score(response, ground_truth)
+
+
+def overflow_reward(response: str, ground_truth: str) -> float:
+    """Finite rewards so large (+-3e38) that float32 group statistics overflow: a non-finite loss."""
+    return 3e38 if len(response) % 2 else -3e38
