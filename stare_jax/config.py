@@ -41,6 +41,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""                    # HF directory; "" = the embedded tiny model, created in the workdir
+    c.model.preset = ""                  # architecture preset (stare_jax.models.presets) for dry runs without weights
     c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"      # parameter / optimizer dtype: float32 | bfloat16
     c.model.remat = False                # rematerialise each layer in the backward pass
@@ -202,7 +203,7 @@ _STR = Field(str)
 SCHEMA: dict[str, Field] = {
     "seed": _int(0), "total_steps": _int(1), "checkpoint_every": _int(1), "keep_checkpoints": _int(1),
     "log_every": _int(1), "test_freq": _int(0),
-    "model.path": _STR, "model.dtype": _choice("float32", "bfloat16"),
+    "model.path": _STR, "model.preset": _STR, "model.dtype": _choice("float32", "bfloat16"),
     "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL, "model.vocab_chunk": _int(1),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
@@ -238,7 +239,8 @@ SCHEMA: dict[str, Field] = {
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
     "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1),
     "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
-    "mesh.fsdp": _int(1), "mesh.tensor": _int(1),
+    "mesh.fsdp": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
+    "mesh.tensor": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "distributed.coordinator_address": _STR, "distributed.num_processes": _int(1),
     "distributed.process_id": _int(0),
     "logging.tensorboard": _BOOL, "logging.wandb": _BOOL, "logging.wandb_project": _STR, "logging.progress": _BOOL,
@@ -331,6 +333,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if n_rows % mini:
         raise ConfigError("ppo.grad_accum", f"got {c.ppo.grad_accum}; allowed: num_minibatches * grad_accum "
                                                f"must divide the {n_rows} responses per step")
+    if [c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) > 1:
+        raise ConfigError("mesh.fsdp", "more than one mesh axis is -1; allowed: at most one axis set to -1")
     if num_devices is not None:
         axes = [c.mesh.data, c.mesh.fsdp, c.mesh.tensor]
         fixed = math.prod(a for a in axes if a != -1)

@@ -109,6 +109,46 @@ def batch_divisor(mesh: Mesh) -> int:
     return int(mesh.shape["data"] * mesh.shape["fsdp"])
 
 
+def host_to_global(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value that every process holds in full (each process places only
+    its addressable shards; no device ever receives more than its shard)."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def shard_batch(tree, mesh: Mesh):
-    """Places host arrays of a global batch on `mesh`, leading axis split over (data, fsdp)."""
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), tree)
+    """Places a global batch held in full by every process on `mesh`, leading axis split over
+    (data, fsdp)."""
+    return jax.tree_util.tree_map(lambda x: host_to_global(x, batch_sharding(mesh, np.ndim(x))), tree)
+
+
+def to_host(x) -> np.ndarray:
+    """The full value of a (possibly multi-process) array as NumPy on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def gather_hosts(local: np.ndarray) -> np.ndarray:
+    """Concatenates each process's `local` array along axis 0, in process order (a no-op on one
+    process). Every process must pass the same shape."""
+    if jax.process_count() == 1:
+        return np.asarray(local)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def local_slice(num_rows: int) -> slice:
+    """The rows [i * n / P, (i + 1) * n / P) that process i owns in a batch of `num_rows` rows
+    gathered in process order."""
+    per = num_rows // jax.process_count()
+    return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def replicated_key(key: jax.Array, mesh: Mesh) -> jax.Array:
+    """A typed PRNG key replicated over `mesh` as a global array (usable across processes)."""
+    if jax.process_count() == 1:
+        return key
+    data = host_to_global(np.asarray(jax.random.key_data(key)), replicated(mesh))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))

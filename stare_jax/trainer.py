@@ -100,50 +100,60 @@ def prompt_style(config) -> str:
 
 # ----------------------------------------------------------------------------- rollouts
 
-def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pad_id):
+def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pad_id, mesh):
     """Generates groups until `data.prompt_batch_size` groups with reward spread are kept (DAPO), or
     takes the first generation batch when dynamic sampling is off.
 
-    Returns (batch of host arrays for the update step, rollout metrics). Raises
-    DynamicSamplingError after `dynamic_sampling.max_num_gen_batches` generation batches.
+    Multi-host: each process loads its slice of the global prompt batch; the rollout runs on the
+    global mesh; every process receives all responses, scores the rows of its own prompts (its
+    ground truths), and the rewards are gathered, so every process takes the same keep decisions
+    and holds the same global batch. Returns (the global batch as host arrays, rollout metrics).
+    Raises DynamicSamplingError after `dynamic_sampling.max_num_gen_batches` generation batches.
     """
     from stare_jax.rollout import generate
 
     G = config.rollout.group_size
     ds = config.dynamic_sampling
-    buffer = GroupBuffer(config.data.prompt_batch_size // jax.process_count(), G)
+    buffer = GroupBuffer(config.data.prompt_batch_size, G)
     all_rewards, lengths, truncated = [], [], []
     reward_stats: dict[str, float] = {}
     gen_batches = 0
     t_generate = t_reward = 0.0
+    replicated = parallel.replicated(mesh)
     for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
         prompts = next(data_iter)
         t0 = time.perf_counter()
-        result = generate(model, prompts["prompt_ids"], prompts["prompt_mask"], rng=jax.random.fold_in(key, gen),
-                          group_size=G, max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
+        prompt_ids = parallel.host_to_global(parallel.gather_hosts(prompts["prompt_ids"]), replicated)
+        prompt_mask = parallel.host_to_global(parallel.gather_hosts(prompts["prompt_mask"]), replicated)
+        result = generate(model, prompt_ids, prompt_mask, rng=parallel.replicated_key(jax.random.fold_in(key, gen), mesh), group_size=G,
+                          max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
                           temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                          top_k=config.rollout.top_k, pad_id=pad_id)
-        host = jax.device_get({"input_ids": result.tokens, "attention_mask": result.attention_mask,
-                               "response_mask": result.response_mask, "old_log_probs": result.log_probs,
-                               "response_ids": result.response_ids, "truncated": result.truncated})
+                          top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh)
+        host = {k: parallel.to_host(v) for k, v in {
+            "input_ids": result.tokens, "attention_mask": result.attention_mask,
+            "response_mask": result.response_mask, "old_log_probs": result.log_probs,
+            "response_ids": result.response_ids, "truncated": result.truncated}.items()}
         t1 = time.perf_counter()
-        texts = decode_responses(tokenizer, host["response_ids"], host["response_mask"], eos_ids)
+        own = parallel.local_slice(len(host["response_ids"]))
+        texts = decode_responses(tokenizer, host["response_ids"][own], host["response_mask"][own], eos_ids)
         truths = np.repeat(np.asarray(prompts["ground_truth"]), G)
-        rewards, stats = pool.score(texts, list(truths))
+        local_rewards, stats = pool.score(texts, list(truths))
+        rewards = parallel.gather_hosts(np.asarray(local_rewards, np.float32))
+        stat_keys = sorted(k for k in stats if k != "reward_s")
+        totals = parallel.gather_hosts(np.asarray([[float(stats[k]) for k in stat_keys]])).sum(axis=0)
         t2 = time.perf_counter()
         t_generate += t1 - t0
         t_reward += t2 - t1
         gen_batches += 1
-        for k, v in stats.items():
-            if k != "reward_s":
-                reward_stats[k] = reward_stats.get(k, 0.0) + float(v)
+        for k, v in zip(stat_keys, totals):
+            reward_stats[k] = reward_stats.get(k, 0.0) + float(v)
         all_rewards.append(rewards)
         lengths.append(host["response_mask"].sum(axis=1))
         truncated.append(host["truncated"])
         keep = groups_with_spread(rewards, G) if ds.enabled else np.ones(len(rewards) // G, bool)
         buffer.add({"input_ids": host["input_ids"], "attention_mask": host["attention_mask"],
                     "response_mask": host["response_mask"], "old_log_probs": host["old_log_probs"],
-                    "rewards": np.asarray(rewards, np.float32)}, keep)
+                    "rewards": rewards}, keep)
         if buffer.full:
             break
     if not buffer.full:
@@ -197,17 +207,25 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
             it = make_eval_iterator(source, tokenizer=tokenizer, batch_size=batch,
                                     max_prompt_len=config.data.max_prompt_len, prompt_style=prompt_style(config),
                                     limit=config.eval.max_prompts)
+            replicated = parallel.replicated(mesh)
             for bi, prompts in enumerate(it):
-                result = generate(model, prompts["prompt_ids"], prompts["prompt_mask"],
-                                  rng=jax.random.fold_in(jax.random.fold_in(key, di), bi), group_size=n,
+                result = generate(model, parallel.host_to_global(parallel.gather_hosts(prompts["prompt_ids"]), replicated),
+                                  parallel.host_to_global(parallel.gather_hosts(prompts["prompt_mask"]), replicated),
+                                  rng=parallel.replicated_key(jax.random.fold_in(jax.random.fold_in(key, di), bi), mesh),
+                                  group_size=n,
                                   max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
-                                  temperature=config.eval.temperature, top_p=config.eval.top_p, pad_id=pad_id)
-                ids, mask = jax.device_get((result.response_ids, result.response_mask))
-                texts = decode_responses(tokenizer, ids, mask, eos_ids)
+                                  temperature=config.eval.temperature, top_p=config.eval.top_p, pad_id=pad_id,
+                                  mesh=mesh)
+                ids, mask = parallel.to_host(result.response_ids), parallel.to_host(result.response_mask)
+                own = parallel.local_slice(len(ids))
+                texts = decode_responses(tokenizer, ids[own], mask[own], eos_ids)
                 scores, _ = pool.score(texts, list(np.repeat(np.asarray(prompts["ground_truth"]), n)))
-                correct = (np.asarray(scores).reshape(-1, n) >= 0.5)
-                rows.append(correct[np.asarray(prompts["valid"])])
-            results[name] = summarize(np.concatenate(rows))
+                correct = (np.asarray(scores).reshape(-1, n) >= 0.5)[np.asarray(prompts["valid"])]
+                rows.append(correct)
+            # every process evaluated its own prompts: gather the per-prompt counts
+            counts = np.concatenate(rows).sum(axis=1) if rows else np.zeros((0,), int)
+            counts = _gather_ragged(counts)
+            results[name] = summarize((np.arange(n)[None, :] < counts[:, None]).astype(np.float32))
     return results
 
 
@@ -231,7 +249,11 @@ def train(config, workdir: str) -> dict:
         raise ValueError(f"{config.model.path}: the model directory has no tokenizer files")
     eos_ids = tuple(policy.config.eos_token_ids) or (tokenizer.eos_token_id,)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    train_source, eval_sources = data_sources(config, workdir)
+    if jax.process_index() == 0:  # builds the TFDS datasets once; the other hosts then only read them
+        train_source, eval_sources = data_sources(config, workdir)
+    _barrier("tfds")
+    if jax.process_index() != 0:
+        train_source, eval_sources = data_sources(config, workdir)
     data_iter = data_lib.make_prompt_iterator(
         train_source, tokenizer=tokenizer, batch_size=config.data.prompt_batch_size // jax.process_count(),
         max_prompt_len=config.data.max_prompt_len, seed=config.seed, prompt_style=prompt_style(config))
@@ -272,11 +294,12 @@ def train(config, workdir: str) -> dict:
             step_key = jax.random.fold_in(base_key, step)
             t0 = time.perf_counter()
             batch, rollout_metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
-                                                   jax.random.fold_in(step_key, 0), eos_ids=eos_ids, pad_id=pad_id)
+                                                   jax.random.fold_in(step_key, 0), eos_ids=eos_ids, pad_id=pad_id,
+                                                   mesh=mesh)
             t1 = time.perf_counter()
             train_state, update_metrics = update(train_state, parallel.shard_batch(batch, mesh),
                                                  jax.random.fold_in(step_key, 1))
-            update_metrics = {k: float(v) for k, v in jax.device_get(update_metrics).items()}
+            update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
             t2 = time.perf_counter()
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
                    "step_s": t2 - t0}
@@ -288,7 +311,8 @@ def train(config, workdir: str) -> dict:
             if done % config.log_every == 0 or done == config.total_steps:
                 progress.update(step, row)
             if done % config.checkpoint_every == 0 or done == config.total_steps:
-                ckpt.save(done, {"train": _state_of(train_state), "rng": base_key}, data_iter.get_state(),
+                ckpt.save(done, {"train": _state_of(train_state), "rng": parallel.replicated_key(base_key, mesh)},
+                          data_iter.get_state(),
                           {"step": done, "config": ckpt_lib.config_to_json(config)})
         if config.eval.enabled and not (config.test_freq and config.total_steps % config.test_freq == 0) \
                 and start < config.total_steps:
@@ -300,6 +324,17 @@ def train(config, workdir: str) -> dict:
         ckpt.close()
         writer.close()
     return row
+
+
+def _gather_ragged(values: np.ndarray) -> np.ndarray:
+    """Concatenates 1-D arrays of possibly different lengths from all processes, in process order."""
+    if jax.process_count() == 1:
+        return np.asarray(values)
+    sizes = parallel.gather_hosts(np.asarray([len(values)]))
+    padded = np.zeros((int(sizes.max()),), np.asarray(values).dtype)
+    padded[:len(values)] = values
+    allv = parallel.gather_hosts(padded[None, :])
+    return np.concatenate([allv[i, :int(sizes[i])] for i in range(len(sizes))])
 
 
 def _state_of(train_state):
@@ -367,3 +402,10 @@ def load_trained_policy(workdir: str, *, config=None, step: int | None = None, m
     nnx.update(train_state, restored["state"]["train"])
     ckpt.close()
     return config, Policy(model=train_state.model, config=policy.config, tokenizer=policy.tokenizer, mesh=mesh), step
+
+
+def _barrier(name: str) -> None:
+    """Waits for every process (no-op on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)

@@ -20,3 +20,11 @@ def tiny_checkpoints(tmp_path_factory):
     """Tiny random HF checkpoints built with transformers + torch: {name: directory}."""
     root = tmp_path_factory.mktemp("hf")
     return {name: hf_fixtures.make_checkpoint(str(root / name), name) for name in hf_fixtures.KINDS}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """(model dir, TFDS dir) of the tiny warm-started embedded model shared by the end-to-end tests."""
+    from tests.e2e_helpers import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("e2e")))

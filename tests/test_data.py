@@ -198,15 +198,15 @@ def test_iterator_deterministic_and_epochs(char_tok):
     assert unshuffled == list(range(12))
 
 
-def test_host_sharding(char_tok):
+def test_host_sharding_slices_the_same_global_batches(char_tok):
     src = _countdown_records(21)
-    per_host = []
-    for pi in range(2):
-        it = _iter(src, char_tok, batch_size=5, process_index=pi, process_count=2, seed=1)
-        per_host.append(sum([b["index"].tolist() for b in _take(it, 2)], []))  # one epoch of 10
-    assert not set(per_host[0]) & set(per_host[1])
-    assert set(per_host[0]) | set(per_host[1]) == set(range(20))  # the 21st record is dropped
-    assert all(i % 2 == 0 for i in per_host[0]) and all(i % 2 == 1 for i in per_host[1])
+    single = [b["index"].tolist() for b in _take(_iter(src, char_tok, batch_size=10, process_index=0,
+                                                        process_count=1, seed=1), 4)]
+    per_host = [[b["index"].tolist() for b in _take(_iter(src, char_tok, batch_size=5, process_index=pi,
+                                                          process_count=2, seed=1), 4)] for pi in range(2)]
+    for b in range(4):
+        assert not set(per_host[0][b]) & set(per_host[1][b])          # hosts read disjoint rows
+        assert per_host[0][b] + per_host[1][b] == single[b]           # ... of the same global batch
     assert list(pipeline.host_indices(21, 1, 2)) == list(range(1, 20, 2))
     with pytest.raises(ValueError):
         _iter(src, char_tok, process_index=2, process_count=2)

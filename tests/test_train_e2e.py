@@ -20,71 +20,16 @@ from stare_jax import config as config_lib
 from stare_jax.eval_metrics import pass_at_k
 from stare_jax.writers import read_jsonl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
-TIMING = ("_s",)
-
-
-def _tiny_overrides(model_dir, data_dir, **extra):
-    o = {
-        "model.path": model_dir, "data.data_dir": data_dir, "data.num_train": 64, "data.num_eval": 8,
-        "data.prompt_batch_size": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
-        "dynamic_sampling.enabled": False, "total_steps": 6, "checkpoint_every": 2, "eval.enabled": False,
-        "reward.num_workers": 1, "optim.lr": 1e-3, "logging.progress": False, "logging.tensorboard": False,
-        "stare.target_entropy": 5.0,  # keep the STARE gate on so its path is exercised
-    }
-    o.update(extra)
-    return o
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from stare_jax.tasks import embedded
-
-    root = tmp_path_factory.mktemp("e2e")
-    model = embedded.create_embedded_model(str(root / "model"), hidden_size=32, num_layers=1, num_heads=2,
-                                           num_kv_heads=1, intermediate_size=64, warmup_steps=30,
-                                           task_config=_task())
-    return model, str(root / "tfds")
-
-
-def _task():
-    from stare_jax.tasks import countdown
-    return countdown.CountdownConfig(min_numbers=3, max_numbers=3, max_number=9, max_target=30)
-
-
-def _args(overrides):
-    return [f"--config.{k}={v}" for k, v in overrides.items()]
-
-
-def _env(**extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    env.pop("PYTEST_CURRENT_TEST", None)
-    env.update(extra)
-    return env
-
-
-def _cmd(workdir, overrides):
-    return [sys.executable, "-m", "stare_jax.train", "--config", QUICKSTART, "--workdir", workdir, *_args(overrides)]
-
-
-def _run(workdir, overrides, **env):
-    r = subprocess.run(_cmd(workdir, overrides), cwd=ROOT, env=_env(**env), capture_output=True, text=True,
-                       timeout=600)
-    return r
-
-
-def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in rows]
+from tests.e2e_helpers import QUICKSTART, ROOT, train_cmd, comparable, subprocess_env, run_train, tiny_overrides
 
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_model, tmp_path_factory):
     model, data = tiny_model
     workdir = str(tmp_path_factory.mktemp("ref") / "run")
-    r = _run(workdir, _tiny_overrides(model, data))
+    r = run_train(workdir, tiny_overrides(model, data))
     assert r.returncode == 0, r.stderr[-3000:]
-    return workdir, _comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
+    return workdir, comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
 
 def test_reference_run_writes_contract_metrics(reference_run):
@@ -104,9 +49,9 @@ def test_sigkill_at_random_moment_then_resume_is_bitwise_identical(tiny_model, r
     model, data = tiny_model
     _, ref_rows = reference_run
     workdir = str(tmp_path / "run")
-    overrides = _tiny_overrides(model, data)
+    overrides = tiny_overrides(model, data)
     kill_after_rows = random.Random(os.getpid()).randint(1, 5)
-    proc = subprocess.Popen(_cmd(workdir, overrides), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_cmd(workdir, overrides), cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 300
@@ -116,38 +61,38 @@ def test_sigkill_at_random_moment_then_resume_is_bitwise_identical(tiny_model, r
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    r = _run(workdir, overrides)
+    r = run_train(workdir, overrides)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _comparable(read_jsonl(metrics)) == ref_rows
+    assert comparable(read_jsonl(metrics)) == ref_rows
 
 
 def test_sigkill_during_checkpoint_save_then_resume(tiny_model, reference_run, tmp_path):
     model, data = tiny_model
     _, ref_rows = reference_run
     workdir = str(tmp_path / "run")
-    overrides = _tiny_overrides(model, data)
-    r = _run(workdir, overrides, **{ckpt_lib.FAULT_KILL_DURING_SAVE: "4"})
+    overrides = tiny_overrides(model, data)
+    r = run_train(workdir, overrides, **{ckpt_lib.FAULT_KILL_DURING_SAVE: "4"})
     assert r.returncode == -signal.SIGKILL
     ckpts = os.listdir(os.path.join(workdir, "checkpoints"))
     assert "2" in ckpts and "4" not in ckpts and any(c.startswith("4.") for c in ckpts)  # half-written step 4
     # Also a marker-less step directory, which Orbax alone would count as the latest step.
     os.makedirs(os.path.join(workdir, "checkpoints", "5"))
-    r = _run(workdir, overrides)
+    r = run_train(workdir, overrides)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "moved aside" in r.stderr
-    assert _comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == ref_rows
+    assert comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == ref_rows
 
 
 def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
     model, data = tiny_model
     workdir, _ = reference_run
     before = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
-    r = _run(workdir, _tiny_overrides(model, data, **{"loss.name": "grpo", "stare.enabled": False}))
+    r = run_train(workdir, tiny_overrides(model, data, **{"loss.name": "grpo", "stare.enabled": False}))
     assert r.returncode == 2
     assert "loss.name" in r.stderr and "cannot resume" in r.stderr
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == before
     # A resumable change (more steps) is accepted and continues from the last checkpoint.
-    r = _run(workdir, _tiny_overrides(model, data, total_steps=7))
+    r = run_train(workdir, tiny_overrides(model, data, total_steps=7))
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))] == list(range(7))
 
@@ -156,7 +101,7 @@ def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
 
 def _config(model, data, **extra):
     c = config_lib.default_config()
-    for key, value in _tiny_overrides(model, data, **extra).items():
+    for key, value in tiny_overrides(model, data, **extra).items():
         node = c
         *parents, leaf = key.split(".")
         for p in parents:
@@ -246,7 +191,7 @@ def test_export_loads_in_transformers_with_matching_logits(reference_run, tmp_pa
     workdir, _ = reference_run
     out = str(tmp_path / "hf")
     r = subprocess.run([sys.executable, "-m", "stare_jax.export", "--workdir", workdir, "--out", out], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     _, policy, _ = trainer.load_trained_policy(workdir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -262,7 +207,7 @@ def test_evaluate_writes_avg_and_pass_at_k_matching_hand_computation(reference_r
     workdir, _ = reference_run
     r = subprocess.run([sys.executable, "-m", "stare_jax.evaluate", "--config", QUICKSTART, "--workdir", workdir,
                         "--n", "4", "--config.eval.max_prompts=8", "--config.reward.num_workers=1"], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     step = json.loads(r.stdout.strip().splitlines()[-1])["step"]
     result = json.load(open(os.path.join(workdir, "eval", f"step_{step}.json")))["results"]["countdown"]

@@ -5,7 +5,7 @@ and a `ground_truth` (str or bytes): a TFDS data source from `stare_jax.data.bui
 list of dicts.
 
 `make_prompt_iterator` (training) returns a grain `DatasetIterator`: infinite, shuffled per epoch,
-deterministic in `seed`, each host reading a disjoint 1/process_count of the records. Each
+deterministic in `seed`, each host reading its slice of every global batch (see `make_prompt_iterator`). Each
 element is a batch dict:
 
     prompt_ids    int32 [B, P]   left-padded token ids (pad id on the left)
@@ -171,16 +171,15 @@ def host_indices(num_records: int, process_index: int, process_count: int, *, dr
     return range(process_index, stop, process_count)
 
 
-class _Encode:
-    """grain map: source index -> encoded row (a class, so it has a readable repr)."""
+class _EncodeBatch:
+    """grain map: a batch of source indices -> the stacked encoded rows (a class, for a readable repr)."""
 
     def __init__(self, source, encoder: PromptEncoder):
         self.source = source
         self.encoder = encoder
 
-    def __call__(self, index):
-        index = int(index)
-        return self.encoder.encode(index, self.source[index])
+    def __call__(self, indices):
+        return _stack([self.encoder.encode(int(i), self.source[int(i)]) for i in np.asarray(indices)])
 
 
 def make_prompt_dataset(source, *, tokenizer, batch_size: int, max_prompt_len: int, seed: int,
@@ -192,18 +191,22 @@ def make_prompt_dataset(source, *, tokenizer, batch_size: int, max_prompt_len: i
 
     pi, pc = _resolve_process(process_index, process_count)
     n = len(source)
-    indices = host_indices(n, pi, pc)
-    if len(indices) == 0:
-        raise ValueError(f"the source has {n} records: too few for {pc} processes")
+    if n == 0:
+        raise ValueError("the source has no records")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     encoder = PromptEncoder(tokenizer, max_prompt_len, style=prompt_style, truncation=truncation,
                             instruction=instruction)
-    ds = grain.MapDataset.range(indices.start, indices.stop, indices.step)
+    # One global order of records (shuffled per epoch); global batch b is local batches
+    # b*pc .. b*pc + pc - 1, and host pi takes the pi-th. Every topology sees the same global
+    # batches, so a run on 2 hosts x 2 devices trains on exactly the data of 1 host x 4 devices.
+    ds = grain.MapDataset.range(n)
     if shuffle:
         ds = ds.shuffle(seed=int(seed) % 2 ** 32)  # reshuffled every epoch by repeat()
-    ds = ds.repeat(None).map(_Encode(source, encoder)).batch(batch_size, drop_remainder=True)
-    return ds
+    ds = ds.repeat(None).batch(batch_size, drop_remainder=True)
+    if pc > 1:
+        ds = ds[pi::pc]
+    return ds.map(_EncodeBatch(source, encoder))
 
 
 def make_prompt_iterator(source, *, tokenizer, batch_size: int, max_prompt_len: int, seed: int,
@@ -216,9 +219,10 @@ def make_prompt_iterator(source, *, tokenizer, batch_size: int, max_prompt_len: 
     - `batch_size`: prompts per batch on this host; `max_prompt_len` P: the padded length.
     - `seed`: the shuffle seed (each epoch gets a different permutation derived from it);
       the same arguments give the same batches.
-    - `process_index/process_count`: this host's shard (default: `jax.process_index/count()`);
-      records `i` with `i % process_count == process_index` (the last `len % process_count`
-      records are dropped so every host has the same epoch length).
+    - `process_index/process_count`: this host's shard (default: `jax.process_index/count()`):
+      the records are put in one global (per-epoch shuffled) order, cut into global batches of
+      `batch_size * process_count`, and host i takes the i-th slice of each, so the global batch
+      sequence does not depend on the number of hosts.
     - `prompt_style`: "plain" (countdown) or "math" (chat template + boxed instruction).
     - `truncation`: "left" keeps the last P tokens of a longer prompt (flagged in `truncated`,
       logged for the first few) or "error" raises naming the record.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -101,7 +102,19 @@ def abstract_train_state(train_state: TrainState, mesh: Mesh):
 def shard_train_state(train_state: TrainState, mesh: Mesh) -> TrainState:
     """Places every array of `train_state` by `train_state_shardings` (in place; returns it)."""
     state = nnx.state(train_state)
-    placed = jax.device_put(state, train_state_shardings(state, mesh))
+    shardings = train_state_shardings(state, mesh)
+    if jax.process_count() == 1:
+        placed = jax.device_put(state, shardings)
+    else:
+        # Multi-process: parameters are already global arrays; freshly initialised scalars (step,
+        # controller) are process-local values, identical everywhere by construction, placed
+        # without device_put's cross-process equality check (which NaN initial values fail).
+        def place(x, sh):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return x if x.sharding == sh else jax.device_put(x, sh)
+            return parallel.host_to_global(np.asarray(x), sh)
+
+        placed = jax.tree_util.tree_map(place, state, shardings)
     nnx.update(train_state, placed)
     return train_state
 

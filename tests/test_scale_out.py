@@ -1,0 +1,72 @@
+"""Scale-out (issue 7): multi-process training equals single-process, and checkpoints reshard."""
+
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from stare_jax.writers import read_jsonl
+from tests.e2e_helpers import ROOT, comparable, run_train, subprocess_env, tiny_overrides, train_cmd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _close(a, b, tol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], float) and isinstance(b[k], float):
+            assert abs(a[k] - b[k]) <= tol * max(1.0, abs(a[k])), (k, a[k], b[k])
+        else:
+            assert a[k] == b[k], (k, a[k], b[k])
+
+
+def test_two_processes_of_two_devices_match_one_process_of_four(tiny_model, tmp_path):
+    model, data = tiny_model
+    overrides = tiny_overrides(model, data, total_steps=3, checkpoint_every=3)
+    single = str(tmp_path / "single")
+    r = run_train(single, overrides, devices=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    multi = str(tmp_path / "multi")
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        o = dict(overrides, **{"distributed.coordinator_address": f"127.0.0.1:{port}",
+                               "distributed.num_processes": 2, "distributed.process_id": pid})
+        procs.append(subprocess.Popen(train_cmd(multi, o), cwd=ROOT, env=subprocess_env(2), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    a = comparable(read_jsonl(os.path.join(single, "metrics.jsonl")))
+    b = comparable(read_jsonl(os.path.join(multi, "metrics.jsonl")))
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        _close(ra, rb)
+    assert os.path.isdir(os.path.join(multi, "checkpoints", "3"))
+
+
+def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
+    model, data = tiny_model
+    saved = str(tmp_path / "fsdp4")
+    r = run_train(saved, tiny_overrides(model, data, total_steps=2, checkpoint_every=1,
+                                        **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 1}), devices=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {}
+    for name, mesh, devices in (("fsdp4", (1, 4, 1), 4), ("data2_tensor2", (2, 1, 2), 4), ("one_device", (1, 1, 1), 1)):
+        workdir = saved if name == "fsdp4" else str(tmp_path / name)
+        if workdir != saved:
+            shutil.copytree(saved, workdir, ignore=shutil.ignore_patterns("tensorboard"))
+        o = tiny_overrides(model, data, total_steps=3, checkpoint_every=1,
+                           **{"mesh.data": mesh[0], "mesh.fsdp": mesh[1], "mesh.tensor": mesh[2]})
+        r = run_train(workdir, o, devices=devices)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows[name] = comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl")))[2]
+    assert rows["fsdp4"]["step"] == 2
+    _close(rows["fsdp4"], rows["data2_tensor2"])
+    _close(rows["fsdp4"], rows["one_device"])
