@@ -3,7 +3,10 @@
 Pure functions of `[N, V]` float32 logits. The filters follow the `transformers` order
 (temperature, then top-k, then top-p) and its tie rules: every token whose logit equals the
 cut-off value is kept. A full-vocabulary sort happens only when top-p is on without top-k;
-with top-k the nucleus is computed over the k candidates from `lax.top_k`.
+with top-k the nucleus is computed over the k candidates from `lax.top_k`, and with neither
+there is no sort at all. A draw inverts the cumulative distribution at one uniform number
+per row (linear in V), which is exact up to float rounding and much cheaper than Gumbel-max's
+V random numbers per row.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def inverse_cdf(weights: jax.Array, uniforms: jax.Array) -> jax.Array:
     total = block_cdf[:, -1:]
     # target < total strictly, even where u * total would round up to it.
     target = jnp.minimum(uniforms.astype(jnp.float32)[:, None] * total, jnp.nextafter(total, 0.0))
-    b = jnp.sum(block_cdf <= target, axis=-1, keepdims=True)                      # block_cdf[b-1] <= target < block_cdf[b]
+    b = jnp.sum(block_cdf <= target, axis=-1, keepdims=True)      # block_cdf[b-1] <= target < block_cdf[b]
     before = jnp.where(b > 0, jnp.take_along_axis(block_cdf, jnp.maximum(b - 1, 0), axis=-1), 0.0)
     inner_cdf = jnp.cumsum(jnp.take_along_axis(blocks, b[:, :, None], axis=1)[:, 0], axis=-1)  # [N, block]
     # Rounding may put target - before at or past the block's own total: stop at its last non-zero entry.
