@@ -196,8 +196,9 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
 
     n = config.eval.n
     shards = parallel.batch_divisor(mesh)
-    batch = max(1, min(config.eval.max_prompts, 64))
-    while (batch * n) % shards:
+    hosts = jax.process_count()
+    batch = max(1, min(config.eval.max_prompts, 64) // hosts)  # prompts per host per eval batch
+    while (batch * hosts * n) % shards:
         batch += 1
     results = {}
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,

@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from stare_jax import parallel
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
@@ -86,10 +89,14 @@ class Decoder(nnx.Module):
     """Causal LM: token ids -> float32 logits, with an optional preallocated KV cache."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 remat: bool = False, rngs: nnx.Rngs):
+                 remat: bool = False, mesh: Mesh | None = None, rngs: nnx.Rngs):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.remat = remat
+        # With a mesh, the residual stream is pinned to the batch sharding so XLA gathers FSDP
+        # weights instead of all-reducing activations (which would hold a whole micro-batch's MLP
+        # activations on every device).
+        self.mesh = mesh
         normal = nnx.initializers.normal(0.02)
         self.embed = nnx.Param(normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), param_dtype))
         self.layers = LayerStack(cfg, param_dtype=param_dtype, rngs=rngs)
@@ -101,6 +108,14 @@ class Decoder(nnx.Module):
         """Logits [B, T, V] (float32) of a left-padded batch; positions come from the mask."""
         hidden, _ = self.hidden_states(input_ids, positions_from_mask(attention_mask), attention_mask)
         return self.logits(hidden)
+
+    def constrain_batch(self, x: jax.Array) -> jax.Array:
+        """x with its leading (batch) axis sharded over the mesh's ("data", "fsdp") axes (no-op
+        without a mesh or when the batch does not divide)."""
+        if self.mesh is None or x.shape[0] % parallel.batch_divisor(self.mesh):
+            return x
+        spec = P(parallel.BATCH_AXES, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def output_embedding(self) -> jax.Array:
         """The [D, V] matrix that maps final hidden states to logits."""
@@ -139,10 +154,12 @@ class Decoder(nnx.Module):
         allowed = (jnp.arange(key_len)[None, :] <= q_index[:, None])[None] & (kv_mask[:, None, :] > 0)
         bias = jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]  # [B,1,1,T,S]
 
+        x = self.constrain_batch(x)
+
         def layer(x, scanned):
             p, layer_cache = scanned
             x, new_cache = _decoder_layer(cfg, self.dtype, p, x, cos, sin, bias, layer_cache, cache_index)
-            return x, new_cache
+            return self.constrain_batch(x), new_cache
 
         if self.remat:
             layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)

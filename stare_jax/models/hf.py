@@ -104,7 +104,7 @@ def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | 
     without it the parameters are randomly initialised (on the host, then sharded).
     """
     pdt = DTYPES[param_dtype or dtype]
-    make = lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, rngs=nnx.Rngs(seed))
+    make = lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, mesh=mesh, rngs=nnx.Rngs(seed))
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)

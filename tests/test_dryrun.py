@@ -1,0 +1,146 @@
+"""The dry run (`python -m stare_jax.dryrun`): ahead-of-time compile of a config's sampler and update
+step on simulated CPU devices, per-device memory and a fit verdict; the architecture presets; the
+paper configs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stare_jax import config as config_lib
+from stare_jax.models import presets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER = os.path.join(ROOT, "configs", "paper")
+PAPER_7B = os.path.join(PAPER, "qwen2_5_math_7b_stare.py")
+
+# Each paper config and the device count it targets (its docstring and docs/dryrun.md).
+PAPER_TARGETS = {
+    "qwen2_5_math_7b_stare.py": 64,
+    "qwen2_5_math_7b_grpo.py": 64,
+    "r1_distill_qwen_1_5b_long_cot.py": 16,
+    "qwen2_5_32b_stare_c2.py": 128,
+    "qwen3_8b_stare.py": 64,
+}
+
+# The paper's 7B config on the tiny preset, shrunk so that it compiles in seconds; it keeps what
+# matters: bf16 compute, remat, FSDP over all devices, gradient accumulation, math data without files.
+TINY_ARGS = ["--config", PAPER_7B, "--devices", "8", "--preset", "tiny",
+             "--config.data.max_prompt_len=16", "--config.rollout.max_new_tokens=16",
+             "--config.data.prompt_batch_size=8", "--config.ppo.grad_accum=2", "--config.model.vocab_chunk=128",
+             "--explain", "3"]
+# Absurd: a million-token rollout of 512 rows; its KV cache alone is ~32 GiB per device, twice a v5e's 16 GiB.
+ABSURD_ARGS = ["--config", os.path.join(ROOT, "configs", "quickstart.py"), "--devices", "8", "--preset", "tiny",
+               "--chip", "v5e", "--phases", "rollout", "--strict",
+               "--config.data.prompt_batch_size=64", "--config.rollout.max_new_tokens=1000000"]
+
+
+def _start(args):
+    return subprocess.Popen([sys.executable, "-m", "stare_jax.dryrun", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc, timeout=600):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _report(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def dry_runs():
+    """Both compiling dry runs, started together (one compiles while the other traces)."""
+    procs = {"tiny": _start(TINY_ARGS), "absurd": _start(ABSURD_ARGS)}
+    return {name: _finish(p) for name, p in procs.items()}
+
+
+def test_tiny_preset_compiles_both_phases_on_8_devices(dry_runs):
+    rc, out, err = dry_runs["tiny"]
+    assert rc == 0, err[-3000:]
+    report = _report(out)
+    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert set(report["phases"]) == {"rollout", "update"}
+    for name, phase in report["phases"].items():
+        for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
+                    "peak_bytes", "compile_s"):
+            assert key in phase, (name, key)
+        assert phase["argument_bytes"] > 0 and phase["peak_bytes"] > 0
+    # The update step donates the train state: its output aliases the state argument.
+    state = report["state_bytes_per_device"]
+    assert report["phases"]["update"]["alias_bytes"] == state["total"]
+    assert report["phases"]["rollout"]["resident_other_bytes"] == state["total"] - state["params"]
+    # FSDP over 8 devices: each holds between 1/8 and all of the float32 parameters; AdamW's two moments twice that.
+    n = presets.num_parameters(presets.preset_config("tiny"))
+    assert n * 4 / 8 <= state["params"] < n * 4
+    assert state["optimizer"] >= 2 * state["params"]
+    assert report["fits"] and not report["tight"]
+    assert "lower bound" in out and "FITS" in out
+    # --explain: the largest temporary buffers, from XLA's buffer assignment
+    biggest = report["phases"]["update"]["largest_temp_buffers"]
+    assert 0 < len(biggest) <= 3 and biggest[0]["bytes"] >= biggest[-1]["bytes"] > 0 and "[" in biggest[0]["shape"]
+
+
+def test_absurd_config_does_not_fit(dry_runs):
+    rc, out, err = dry_runs["absurd"]
+    assert rc == 3, err[-3000:]  # --strict: compiled, but does not fit
+    report = _report(out)
+    assert report["fits"] is False and report["chip"] == "v5e"
+    assert report["peak_bytes_per_device"] > report["hbm_bytes"]
+    assert "DOES NOT FIT" in out
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--devices", "8", "--preset", "gpt-17"], "model.preset"),       # unknown preset
+    (["--devices", "6"], "data.prompt_batch_size"),                    # 512 rows over 6 devices
+    (["--devices", "8", "--config.stare.variant=O3"], "stare.variant"),  # ordinary config error
+])
+def test_config_errors_exit_2_naming_the_key(args, key):
+    rc, out, err = _finish(_start(["--config", PAPER_7B, *args]), timeout=120)
+    assert rc == 2, (out, err)
+    assert key in err and len(err.strip().splitlines()) == 1
+
+
+def test_presets_parse_with_published_sizes():
+    expected = {"qwen2.5-math-7b": 7.6e9, "qwen2.5-32b": 32.8e9, "deepseek-r1-distill-qwen-1.5b": 1.78e9,
+                "qwen3-8b": 8.19e9}
+    for name, size in expected.items():
+        cfg = presets.preset_config(name)
+        assert abs(presets.num_parameters(cfg) / size - 1) < 0.01, name
+    q3 = presets.preset_config("Qwen/Qwen3-8B")  # hub ids work too
+    assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 128
+    r1 = presets.preset_config("deepseek-r1-distill-qwen-1.5b")
+    assert r1.qkv_bias and not r1.tie_word_embeddings and r1.num_kv_heads == 2
+    assert presets.preset_config("qwen2.5-math-7b").max_position_embeddings == 1024 + 3072
+    with pytest.raises(presets.UnknownPresetError):
+        presets.preset_config("gpt-17")
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_TARGETS))
+def test_paper_configs_validate_for_their_target(name):
+    c = config_lib.load_config_file(os.path.join(PAPER, name))
+    presets.resolve_name(c.model.preset)
+    c.model.path = "/models/x"
+    c.data.train_files = "/data/train.jsonl"
+    config_lib.validate(c, num_devices=PAPER_TARGETS[name])
+    # paper defaults
+    assert c.optim.lr == 1e-6 and c.optim.weight_decay == 0.01 and c.optim.grad_clip == 1.0
+    assert c.data.prompt_batch_size == 64 and c.rollout.group_size == 8 and c.ppo.epochs == 1
+    assert c.ppo.num_minibatches == 1 and c.loss.kl_type == "none" and c.loss.entropy_coef == 0.0
+    assert c.dynamic_sampling.enabled and c.dynamic_sampling.max_num_gen_batches == 10
+    assert c.stare.top_p_ratio == 0.1 and c.stare.target_entropy == 0.3 and c.rollout.temperature == 1.0
+    model = presets.preset_config(c.model.preset)
+    assert c.data.max_prompt_len + c.rollout.max_new_tokens <= model.max_position_embeddings
+
+
+def test_paper_config_variants():
+    load = lambda n: config_lib.load_config_file(os.path.join(PAPER, n))  # noqa: E731
+    stare, grpo = load("qwen2_5_math_7b_stare.py"), load("qwen2_5_math_7b_grpo.py")
+    assert stare.loss.name == "stare" and stare.stare.variant == "O1" and stare.stare.w == 1.1
+    assert grpo.loss.name == "grpo" and not grpo.stare.enabled
+    c2 = load("qwen2_5_32b_stare_c2.py")
+    assert (c2.stare.variant, c2.stare.w, c2.stare.m) == ("C2", 1.05, 0.95)
+    assert load("r1_distill_qwen_1_5b_long_cot.py").rollout.max_new_tokens >= 8192
