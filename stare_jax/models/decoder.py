@@ -167,25 +167,48 @@ class Decoder(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
 
 
+def project(h: jax.Array, w: jax.Array, b: jax.Array | None, dtype) -> jax.Array:
+    """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype`."""
+    y = jnp.einsum("...d,df->...f", h, w.astype(dtype), preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(dtype)
+
+
+def attention_inputs(cfg: ModelConfig, dtype, p, x, cos, sin):
+    """q [B, T, H, hd] and k, v [B, T, K, hd] of a block input x [B, T, D]: pre-attention RMSNorm,
+    projections (+ Qwen2 biases), Qwen3's per-head q/k RMSNorm, then RoPE on q and k."""
+    B, T, _ = x.shape
+    H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = project(h, p["wq"], p.get("bq"), dtype).reshape(B, T, H, hd)
+    k = project(h, p["wk"], p.get("bk"), dtype).reshape(B, T, K, hd)
+    v = project(h, p["wv"], p.get("bv"), dtype).reshape(B, T, K, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_residual(p, x: jax.Array, attn: jax.Array, dtype) -> jax.Array:
+    """x + o_proj(attn), with attn [..., H * hd]."""
+    return x + project(attn.astype(dtype), p["wo"], p.get("bo"), dtype)
+
+
+def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
+    """x + W_down (silu(W_gate h) * W_up h), h = RMSNorm(x): the SwiGLU half of a block."""
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = project(h, p["w_gate"], p.get("b_gate"), dtype)
+    up = project(h, p["w_up"], p.get("b_up"), dtype)
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    return x + project(act, p["w_down"], p.get("b_down"), dtype)
+
+
 def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_index):
     """One pre-norm block; returns the new residual stream and this layer's updated (k, v) cache."""
     B, T, _ = x.shape
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def proj(h, w, b=None):
-        y = jnp.einsum("btd,df->btf", h, w.astype(dtype), preferred_element_type=jnp.float32)
-        if b is not None:
-            y = y + b.astype(jnp.float32)
-        return y.astype(dtype)
-
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = proj(h, p["wq"], p.get("bq")).reshape(B, T, H, hd)
-    k = proj(h, p["wk"], p.get("bk")).reshape(B, T, K, hd)
-    v = proj(h, p["wv"], p.get("bv")).reshape(B, T, K, hd)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attention_inputs(cfg, dtype, p, x, cos, sin)
     if cache is not None:
         k_cache = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, cache_index, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, cache_index, 0, 0))
@@ -194,11 +217,5 @@ def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_i
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
     probs = jax.nn.softmax(scores + bias, axis=-1)
     attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
-    x = x + proj(attn.reshape(B, T, H * hd).astype(dtype), p["wo"], p.get("bo"))
-
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = proj(h, p["w_gate"], p.get("b_gate"))
-    up = proj(h, p["w_up"], p.get("b_up"))
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
-    x = x + proj(act, p["w_down"], p.get("b_down"))
-    return x, cache
+    x = attention_residual(p, x, attn.reshape(B, T, H * hd), dtype)
+    return mlp_residual(cfg, p, x, dtype), cache

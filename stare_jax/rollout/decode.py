@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from stare_jax.models.config import rope_inverse_frequencies
-from stare_jax.models.decoder import Decoder, apply_rope, rms_norm
+from stare_jax.models.decoder import Decoder, attention_inputs, attention_residual, mlp_residual, rms_norm
 
 _MASK_VALUE = -1e30  # as in the decoder: finite, so fully masked rows stay finite
 
@@ -92,33 +92,15 @@ def _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt_bias, response_kv, resp
     """One pre-norm block for x [N, D]; returns the new residual stream and the layer's response (k, v)."""
     N = x.shape[0]
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def proj(h, w, b=None):
-        y = jnp.einsum("nd,df->nf", h, w.astype(dtype), preferred_element_type=jnp.float32)
-        if b is not None:
-            y = y + b.astype(jnp.float32)
-        return y.astype(dtype)
-
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = proj(h, p["wq"], p.get("bq")).reshape(N, 1, H, hd)
-    k = proj(h, p["wk"], p.get("bk")).reshape(N, 1, K, hd)
-    v = proj(h, p["wv"], p.get("bv")).reshape(N, K, 1, hd)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin).reshape(N, K, H // K, hd)
-    k = apply_rope(k, cos, sin).reshape(N, K, hd, 1)
+    q, k, v = attention_inputs(cfg, dtype, p, x[:, None, :], cos, sin)   # [N, 1, H|K, hd]
+    q = q.reshape(N, K, H // K, hd)
+    k = k.transpose(0, 2, 3, 1)                                           # [N, K, hd, 1]
+    v = v.transpose(0, 2, 1, 3)                                           # [N, K, 1, hd]
     k_cache = jax.lax.dynamic_update_slice(response_kv[0], k.astype(dtype), (0, 0, 0, slot))
     v_cache = jax.lax.dynamic_update_slice(response_kv[1], v.astype(dtype), (0, 0, slot, 0))
     attn = _grouped_attention(q, prompt_kv, prompt_bias, (k_cache, v_cache), response_bias, dtype)
-    x = x + proj(attn.reshape(N, H * hd).astype(dtype), p["wo"], p.get("bo"))
-
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = proj(h, p["w_gate"], p.get("b_gate"))
-    up = proj(h, p["w_up"], p.get("b_up"))
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
-    x = x + proj(act, p["w_down"], p.get("b_down"))
-    return x, (k_cache, v_cache)
+    x = attention_residual(p, x, attn.reshape(N, H * hd), dtype)
+    return mlp_residual(cfg, p, x, dtype), (k_cache, v_cache)
 
 
 def _grouped_attention(q, prompt_kv, prompt_bias, response_kv, response_bias, dtype):
