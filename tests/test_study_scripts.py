@@ -1,0 +1,136 @@
+"""Fast checks of scripts/plot_metrics.py and scripts/entropy_study.py on synthetic runs (no training)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", os.path.join(REPO, "scripts", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+plot_metrics = _load("plot_metrics")
+entropy_study = _load("entropy_study")
+
+QUADS = ("pos_high", "pos_low", "neg_high", "neg_low")
+
+
+def fake_run(run_dir, entropy, *, total_steps=None, acc0=0.3, acc1=0.6, gate=None, eval_avg=0.5, eval_pass=0.7,
+             n=8, target_entropy=0.3, finished=True, torn=False):
+    """Writes metrics.jsonl (+ config.json, eval/step_<T>.json) like the trainer does."""
+    os.makedirs(run_dir, exist_ok=True)
+    T = len(entropy)
+    total_steps = total_steps or T
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for s, h in enumerate(entropy):
+            row = {"step": s, "entropy": float(h), "reward_mean": acc0 + (acc1 - acc0) * s / max(T - 1, 1),
+                   "accuracy": acc0 + (acc1 - acc0) * s / max(T - 1, 1), "response_length_mean": 4.0 + 0.01 * s,
+                   "loss": 0.1, "grad_norm": 1.0, "stare_gate_on": float(gate[s]) if gate is not None else 0.0,
+                   "stare_w": 1.5, "stare_m": 0.9, "stare_lplus_frac": 0.05, "stare_lminus_frac": 0.05,
+                   "rollout_s": 0.1, "update_s": 0.1, "step_s": 0.2, "quad_total_dH": -0.01}
+            for i, q in enumerate(QUADS):
+                row[f"quad_{q}_frac"] = 0.25
+                row[f"quad_{q}_dH"] = (-1) ** i * 0.01
+            f.write(json.dumps(row) + "\n")
+        if torn:
+            f.write('{"step": 99999, "entr')
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"stare": {"target_entropy": target_entropy}, "total_steps": total_steps}, f)
+    if finished:
+        os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
+        res = {f"avg@{n}": eval_avg, "n": n, "num_prompts": 16, "pass@1": eval_avg, f"pass@{n}": eval_pass}
+        with open(os.path.join(run_dir, "eval", f"step_{total_steps}.json"), "w") as f:
+            json.dump({"step": total_steps, "results": {"countdown": res}}, f)
+
+
+def test_plot_metrics_writes_png(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    fake_run(str(a), np.linspace(0.8, 0.05, 60), torn=True)
+    fake_run(str(b), np.linspace(0.8, 0.3, 60), gate=(np.arange(60) > 30))
+    out = tmp_path / "fig" / "m.png"
+    assert plot_metrics.main([str(a), str(b), "--out", str(out), "--smooth", "5", "--labels", "grpo,stare"]) == 0
+    assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = plot_metrics.read_metrics(str(a))
+    assert len(rows) == 60  # torn last line ignored
+    assert plot_metrics.run_target_entropy(str(a)) == 0.3
+
+
+def test_plot_metrics_missing_dir(tmp_path):
+    assert plot_metrics.main([str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_smooth():
+    y = np.array([0.0, 2.0, 4.0, 6.0])
+    np.testing.assert_allclose(plot_metrics.smooth(y, 2), [0.0, 1.0, 3.0, 5.0])
+    np.testing.assert_allclose(entropy_study.smooth(y, 1), y)
+
+
+def test_run_summary_and_finished(tmp_path):
+    T, h_tgt = 100, 0.3
+    collapse = np.concatenate([np.linspace(0.8, 0.05, 50), np.full(50, 0.05)])
+    d = tmp_path / "grpo"
+    fake_run(str(d), collapse, target_entropy=h_tgt)
+    s = entropy_study.run_summary(str(d), T, h_tgt, 8)
+    assert s["finished"] and s["steps_done"] == T
+    assert s["collapse_step"] is not None and s["collapse_step"] <= 60
+    assert not s["in_band"]
+    assert s["avg@n"] == 0.5 and s["pass@k"] == 0.7 and s["pass_k"] == 8
+    assert s["accuracy_end"] > s["accuracy_start"]
+    # unfinished: missing eval, or fewer rows than total_steps
+    e = tmp_path / "partial"
+    fake_run(str(e), collapse[:40], total_steps=T, finished=False)
+    assert not entropy_study.is_finished(str(e), T)
+    f = tmp_path / "noeval"
+    fake_run(str(f), collapse, finished=False)
+    assert not entropy_study.is_finished(str(f), T)
+    assert entropy_study.is_finished(str(d), T)
+
+
+def test_aggregate_table_and_checks(tmp_path):
+    T, h_tgt = 80, 0.3
+    root = tmp_path / "study"
+    held = np.concatenate([np.linspace(0.8, 0.3, 30), np.full(50, 0.3)])
+    collapsed = np.concatenate([np.linspace(0.8, 0.05, 40), np.full(40, 0.05)])
+    for s in range(3):
+        fake_run(str(root / "grpo_ds" / f"seed_{s}"), collapsed + 0.001 * s, eval_avg=0.5 + 0.01 * s,
+                 eval_pass=0.6)
+        fake_run(str(root / "stare_quickstart" / f"seed_{s}"), held + 0.001 * s, eval_avg=0.5, eval_pass=0.7,
+                 gate=np.arange(T) > 30)
+    rows = [entropy_study.ROW_BY_NAME["grpo_ds"], entropy_study.ROW_BY_NAME["stare_quickstart"]]
+    summaries, metric_rows = entropy_study.collect(str(root), rows, [0, 1, 2], T, h_tgt, 8)
+    agg = entropy_study.aggregate(summaries)
+    m, sd, k = agg["grpo_ds"]["avg@n"]
+    assert k == 3 and abs(m - 0.51) < 1e-9 and abs(sd - 0.01) < 1e-9
+    assert agg["grpo_ds"]["collapsed"] == 3 and agg["stare_quickstart"]["in_band"] == 3
+    table = entropy_study.markdown_table(agg, {r.name: r.label for r in rows}, h_tgt)
+    assert table.count("\n") == 3 and "GRPO-ds" in table and "± " in table
+    checks = dict((name[:2], ok) for name, ok, _ in entropy_study.acceptance(agg, summaries, h_tgt))
+    assert checks["1."] and checks["2."] and checks["3a"] and checks["3b"] and checks["4b"]
+    # the full report: table file, summary.json and PNG
+    png, md = tmp_path / "s.png", tmp_path / "t.md"
+    text = entropy_study.report(str(root), rows, [0, 1, 2], T, h_tgt, 8, str(png), str(md), 12.0, "cmd")
+    assert png.exists() and md.read_text() == text and (root / "summary.json").exists()
+    assert "[x] 1." in text
+
+
+def test_mean_sd_and_rows():
+    assert entropy_study.mean_sd([1.0, None, 3.0]) == (2.0, pytest.approx(np.sqrt(2.0)), 2)
+    assert entropy_study.mean_sd([0.5])[1] == 0.0
+    names = [r.name for r in entropy_study.ROWS]
+    assert names[0] == "grpo_ds" and len(set(names)) == len(names) == 7
+    paper = dict(entropy_study.ROW_BY_NAME["stare_c2_paper"].overrides)
+    assert paper["stare.variant"] == "C2" and paper["stare.w"] == 1.1 and paper["stare.m"] == 0.9
+    assert paper["stare.top_p_ratio"] == 0.1 and paper["stare.adaptive"] is False
+    assert dict(entropy_study.ROW_BY_NAME["stare_o1_paper"].overrides)["stare.variant"] == "O1"
