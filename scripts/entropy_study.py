@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import time
 from typing import Sequence
 
 import numpy as np
+
+from stare_jax.writers import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join("configs", "quickstart.py")
@@ -78,22 +79,6 @@ CORE_ROWS = ("grpo_ds", "stare_quickstart")
 
 # ----------------------------------------------------------------------------- run bookkeeping
 
-def read_metrics(run_dir: str) -> list[dict]:
-    """Rows of RUN_DIR/metrics.jsonl, one per step (last wins), sorted; a torn line ends the file."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    rows: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            rows[int(r.get("step", len(rows)))] = r
-    return [rows[k] for k in sorted(rows)]
 
 
 def final_eval(run_dir: str, total_steps: int) -> dict | None:
@@ -412,7 +397,7 @@ def collect(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: i
         summaries[row.name], metric_rows[row.name] = [], []
         for s in seeds:
             d = os.path.join(root, row.name, f"seed_{s}")
-            if os.path.exists(os.path.join(d, "metrics.jsonl")):
+            if is_finished(d, total_steps):  # runs still in progress are left out of the figures
                 summaries[row.name].append(run_summary(d, total_steps, target_entropy, group_size))
                 metric_rows[row.name].append(read_metrics(d))
     return summaries, metric_rows
@@ -431,6 +416,10 @@ def report(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: in
              f"Seeds {', '.join(map(str, seeds))}; {total_steps} steps per run; H_tgt = {target_entropy:g}.", "",
              table, "", "Checks:", ""]
     lines += [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in checks]
+    pending = [f"{r.name} seed {s}" for r in rows for s in seeds
+               if not is_finished(os.path.join(root, r.name, f"seed_{s}"), total_steps)]
+    if pending:
+        lines.append(f"- not finished (left out above): {', '.join(pending)}")
     run_walls = [r.get("wall_s") for v in summaries.values() for r in v if r.get("wall_s")]
     if run_walls:
         lines.append(f"- sum of per-run wall times: {sum(run_walls) / 60:.1f} min over {len(run_walls)} runs")

@@ -22,23 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
+from stare_jax.writers import read_metrics
+
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    """Rows of RUN_DIR/metrics.jsonl (a torn last line is ignored), sorted by step, one per step."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    rows: dict[int, dict] = {}
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            rows[int(row.get("step", len(rows)))] = row
-    return [rows[k] for k in sorted(rows)]
 
 
 def series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:

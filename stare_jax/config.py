@@ -293,7 +293,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                                    + ", ".join(known))
     for key, spec in SCHEMA.items():
         if key not in flat:
-            raise ConfigError(key, f"missing (start config files from stare_jax.config.default_config())")
+            raise ConfigError(key, "missing (start config files from stare_jax.config.default_config())")
         _check_value(key, flat[key], spec)
 
     c = config

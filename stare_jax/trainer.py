@@ -9,15 +9,11 @@ is checkpointed, so a run resumed from step s produces exactly the metrics of an
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import time
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
@@ -27,19 +23,6 @@ from stare_jax.models import Policy, from_pretrained
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything a running job holds."""
-
-    config: Any
-    workdir: str
-    mesh: Any
-    policy: Policy
-    tokenizer: Any
-    eos_ids: tuple
-    pad_id: int
 
 
 # ----------------------------------------------------------------------------- set-up

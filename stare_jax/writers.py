@@ -42,6 +42,25 @@ def truncate_jsonl(path: str, last_step: int) -> int:
     return len(kept)
 
 
+def read_metrics(run_dir: str) -> list[dict]:
+    """Rows of RUN_DIR/metrics.jsonl sorted by step, one per step (the last written wins); a torn
+    line ends the file; [] when the run has no metrics yet."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            rows[int(row.get("step", len(rows)))] = row
+    return [rows[k] for k in sorted(rows)]
+
+
 def read_jsonl(path: str) -> list[dict]:
     """All rows of a metrics JSONL file."""
     with open(path) as f:

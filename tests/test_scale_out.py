@@ -5,7 +5,6 @@ import shutil
 import socket
 import subprocess
 
-import pytest
 
 from stare_jax.writers import read_jsonl
 from tests.e2e_helpers import ROOT, comparable, run_train, subprocess_env, tiny_overrides, train_cmd
