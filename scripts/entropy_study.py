@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from stare_jax.writers import read_metrics
+from stare_jax.writers import read_metrics, smooth
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join("configs", "quickstart.py")
@@ -100,15 +100,6 @@ def is_finished(run_dir: str, total_steps: int) -> bool:
     return len(read_metrics(run_dir)) >= total_steps and final_eval(run_dir, total_steps) is not None
 
 
-def smooth(y: np.ndarray, window: int) -> np.ndarray:
-    """Trailing moving average over `window` points (shorter at the start)."""
-    y = np.asarray(y, np.float64)
-    if window <= 1 or y.size == 0:
-        return y
-    c = np.cumsum(np.insert(y, 0, 0.0))
-    idx = np.arange(1, y.size + 1)
-    lo = np.maximum(idx - window, 0)
-    return (c[idx] - c[lo]) / (idx - lo)
 
 
 def _col(rows: Sequence[dict], key: str) -> np.ndarray:

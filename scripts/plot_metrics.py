@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from stare_jax.writers import read_metrics
+from stare_jax.writers import read_metrics, smooth
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
@@ -42,15 +42,6 @@ def series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(xs, np.int64), np.asarray(ys, np.float64)
 
 
-def smooth(y: np.ndarray, window: int) -> np.ndarray:
-    """Trailing moving average over `window` points (shorter at the start); window <= 1 is identity."""
-    y = np.asarray(y, np.float64)
-    if window <= 1 or y.size == 0:
-        return y
-    c = np.cumsum(np.insert(y, 0, 0.0))
-    idx = np.arange(1, y.size + 1)
-    lo = np.maximum(idx - window, 0)
-    return (c[idx] - c[lo]) / (idx - lo)
 
 
 def run_target_entropy(run_dir: str) -> float | None:

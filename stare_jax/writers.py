@@ -61,6 +61,19 @@ def read_metrics(run_dir: str) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+def smooth(y, window: int):
+    """Trailing moving average of `y` over `window` points (shorter at the start; window <= 1: y)."""
+    import numpy as np
+
+    y = np.asarray(y, np.float64)
+    if window <= 1 or y.size == 0:
+        return y
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    idx = np.arange(1, y.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
 def read_jsonl(path: str) -> list[dict]:
     """All rows of a metrics JSONL file."""
     with open(path) as f:
