@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from stare_jax.models.config import rope_inverse_frequencies
-from stare_jax.models.decoder import Decoder, attention_inputs, attention_residual, mlp_residual, rms_norm
+from stare_jax.models.decoder import (Decoder, attention_inputs, attention_residual, fuse_projections, mlp_residual,
+                                      rms_norm)
 
 _MASK_VALUE = -1e30  # as in the decoder: finite, so fully masked rows stay finite
 
@@ -62,9 +63,11 @@ def empty_response_cache(model: Decoder, rows: int, length: int) -> list[LayerKV
 
 
 def layer_params(model: Decoder) -> list[dict[str, jax.Array]]:
-    """The decoder's stacked layer parameters as one dict of arrays per layer."""
+    """The decoder's stacked layer parameters as one dict of arrays per layer (with q/k/v and
+    gate/up concatenated when the model fuses its projections; built once, outside the decode loop)."""
     stacked = model.layers.arrays()
-    return [{name: w[i] for name, w in stacked.items()} for i in range(model.config.num_layers)]
+    layers = [{name: w[i] for name, w in stacked.items()} for i in range(model.config.num_layers)]
+    return [fuse_projections(p) for p in layers] if model.fused_projections else layers
 
 
 def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
