@@ -1,0 +1,110 @@
+"""What every participant of `scripts/bench_step.py` shares: the workload, its data and reward, and the
+worker protocol. Imports only numpy and the standard library at module level, because the peers run
+in their own virtual environment (requirements-bench.txt) without stare_jax installed.
+
+Protocol. The driver starts each participant as a subprocess:
+
+    python scripts/bench_peers/<name>_peer.py '<workload json>'
+
+The worker builds its trainer from the Hugging Face checkpoint in `workload["checkpoint"]`
+(random Qwen2 weights written by the driver), runs nothing timed, then prints
+`@@BENCH {"ready": true, ...}`. For each line `{"cmd": "step"}` it reads on stdin it runs
+exactly one full GRPO step (rollout of prompts x group responses, reward, one optimizer update)
+and prints `@@BENCH {"rollout_s", "reward_s", "update_s", "step_s", "tokens", "peak_rss_mb"}`
+where `rollout_s` includes the reward (`reward_s` is its part, when the trainer tells it apart),
+`update_s` is the rest of the step and `tokens` counts the generated tokens. `{"cmd": "exit"}`
+ends it. Lines without the `@@BENCH ` prefix are ignored (libraries print what they like).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import numpy as np
+
+PREFIX = "@@BENCH "
+
+# Token ids of the bench tokenizer: four specials, then the words w4 .. w{vocab-1}.
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+VOCAB_SIZE = 1024
+DEFAULT = dict(vocab_size=VOCAB_SIZE, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+               intermediate_size=688, tie_word_embeddings=True, num_prompts=8, group_size=8, prompt_len=32,
+               new_tokens=64, learning_rate=1e-6, temperature=1.0, seed=0, loss="stare")
+LARGE = dict(DEFAULT, hidden_size=512, num_layers=8, new_tokens=128)
+
+
+def word(i: int) -> str:
+    """The text of token id `i` (ids >= 4)."""
+    return f"w{i}"
+
+
+def build_tokenizer():
+    """A word-level `transformers.PreTrainedTokenizerFast` over the workload's 1024 ids: text 'w5 w17'
+    is ids [5, 17]; decoding joins words with spaces. Like Qwen2's, it has no BOS token (so no
+    trainer prepends one); padding is on the left."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = VOCAB_SIZE
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({word(i): i for i in range(len(SPECIALS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", padding_side="left", model_max_length=4096)
+
+
+def prompts(workload: dict) -> tuple[np.ndarray, list[str], list[str]]:
+    """The fixed prompt batch: token ids int32 [num_prompts, prompt_len] (no padding: every prompt has
+    exactly prompt_len tokens), their texts, and each prompt's ground truth (a digit 0-3)."""
+    rs = np.random.RandomState(workload["seed"])
+    ids = rs.randint(len(SPECIALS), workload["vocab_size"], (workload["num_prompts"], workload["prompt_len"]))
+    texts = [" ".join(word(int(i)) for i in row) for row in ids]
+    truths = [str(int(t)) for t in rs.randint(0, 4, workload["num_prompts"])]
+    return ids.astype(np.int32), texts, truths
+
+
+def reward(response: str, ground_truth: str) -> float:
+    """Fraction of the response's words w<k> with k % 4 == ground_truth: cheap, deterministic, and
+    varied across a group, so advantages are non-zero."""
+    words = response.split()
+    if not words:
+        return 0.0
+    target = int(ground_truth)
+    hits = sum(1 for w in words if w.startswith("w") and w[1:].isdigit() and int(w[1:]) % 4 == target)
+    return hits / len(words)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def send(obj: dict) -> None:
+    """Writes one protocol line to the real stdout."""
+    sys.__stdout__.write(PREFIX + json.dumps(obj) + "\n")
+    sys.__stdout__.flush()
+
+
+def commands():
+    """Yields the commands the driver sends on stdin until 'exit' or end of input."""
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "exit":
+            return
+        yield cmd
+
+
+def workload_from_argv() -> dict:
+    """The workload dict passed as the worker's only argument."""
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: {sys.argv[0]} '<workload json>'")
+    return json.loads(sys.argv[1])

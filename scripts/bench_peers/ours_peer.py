@@ -1,0 +1,121 @@
+"""Bench worker for stare-jax: one full GRPO step per command through the trainer's own code path.
+
+Rollout and reward are `stare_jax.trainer.collect_batch` (the jitted KV-cache sampler, then the
+isolated reward pool), the update is `stare_jax.rl.make_update_step` (one jitted forward + backward +
+AdamW with STARE weights inside), exactly as `stare_jax.train` runs them. The workload's `loss`
+("stare" or "grpo") picks the loss registry entry; STARE runs the quickstart's adaptive C2 setting
+(controller update included), the most expensive variant. See common.py for the protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import common  # noqa: E402
+
+
+def bench_config(workload: dict):
+    """The stare-jax config of the workload: one generation of prompts x group, no dynamic sampling,
+    no KL, one optimizer step per batch, float32."""
+    from stare_jax.config import default_config
+
+    w = workload
+    c = default_config()
+    c.seed = w["seed"]
+    c.model.path = w["checkpoint"]
+    c.data.prompt_batch_size = w["num_prompts"]
+    c.data.max_prompt_len = w["prompt_len"]
+    c.rollout.group_size = w["group_size"]
+    c.rollout.max_new_tokens = w["new_tokens"]
+    c.rollout.temperature = w["temperature"]
+    c.dynamic_sampling.enabled = False
+    c.reward.name = "common:reward"
+    c.reward.num_workers = 1
+    c.optim.lr = w["learning_rate"]
+    c.loss.name = w["loss"]
+    c.stare.enabled = w["loss"] == "stare"
+    c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
+    return c
+
+
+def matmul_peak_gflops(sizes=(512, 1024, 2048), repeats: int = 5) -> float:
+    """The machine's measured float32 matmul peak: the best GFLOP/s (2 n^3 / time) of a jitted
+    n x n @ n x n product over `sizes`, best of `repeats` each."""
+    import jax
+    import jax.numpy as jnp
+
+    best = 0.0
+    for n in sizes:
+        a = jnp.ones((n, n), jnp.float32)
+        f = jax.jit(lambda x, y: x @ y)
+        f(a, a).block_until_ready()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(a, a).block_until_ready()
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
+    return round(best, 1)
+
+
+def main() -> None:
+    workload = common.workload_from_argv()
+    import jax
+    import numpy as np
+
+    from stare_jax import parallel
+    from stare_jax.models import from_pretrained
+    from stare_jax.rewards import RewardPool
+    from stare_jax.rl import create_train_state, make_update_step
+    from stare_jax.trainer import collect_batch
+
+    config = bench_config(workload)
+    mesh = parallel.mesh_from_config(config.mesh)
+    policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh)
+    tokenizer = common.build_tokenizer()
+    ids, _, truths = common.prompts(workload)
+    prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}
+
+    def batches():
+        while True:
+            yield prompts
+
+    data_iter = batches()
+    train_state = create_train_state(policy.model, config, mesh=mesh)
+    update = make_update_step(config, mesh, train_state)
+    base_key = jax.random.key(config.seed)
+    step = 0
+
+    def one_step() -> dict:
+        nonlocal train_state, step
+        key = jax.random.fold_in(base_key, step)
+        t0 = time.perf_counter()
+        batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
+                                       jax.random.fold_in(key, 0), eos_ids=(), pad_id=common.PAD_ID, mesh=mesh)
+        t1 = time.perf_counter()
+        train_state, out = update(train_state, parallel.shard_batch(batch, mesh), jax.random.fold_in(key, 1))
+        jax.block_until_ready(out)
+        t2 = time.perf_counter()
+        step += 1
+        tokens = int(batch["response_mask"].sum())
+        expected = workload["num_prompts"] * workload["group_size"] * workload["new_tokens"]
+        if tokens != expected:
+            raise RuntimeError(f"generated {tokens} tokens, expected {expected}")
+        return {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": t2 - t1, "step_s": t2 - t0,
+                "tokens": tokens, "loss": float(out["loss"]), "peak_rss_mb": common.peak_rss_mb()}
+
+    with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
+                    timeout_s=config.reward.timeout_s) as pool:
+        one_step()  # compiles the sampler and the update step
+        common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
+                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+                     "matmul_peak_gflops": matmul_peak_gflops()})
+        for _ in common.commands():
+            common.send(one_step())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Full GRPO step benchmark: stare-jax against Hugging Face TRL and Tunix on the same workload.
+
+Workload (contract 9 of DESIGN.md): a Qwen2 model with random weights (vocab 1024, hidden 256,
+4 layers, 4 heads / 2 KV heads, intermediate 688, tied embeddings, float32); each step samples
+8 prompts x 8 responses, prompts of 32 tokens, exactly 64 new tokens per response (EOS disabled),
+scores them with a cheap text reward and takes one optimizer step. `--large`: hidden 512,
+8 layers, 128 new tokens.
+
+Every participant runs in its own process (scripts/bench_peers/*_peer.py), started and warmed up
+one after the other; then each timed round runs one step of each participant in turn, one at a
+time, with the order rotated every round, so that the machine's drift affects all of them alike.
+Medians over `--steps` rounds. The last line printed is one JSON object:
+
+    median_step_s, median_rollout_s, median_update_s, rollout_tokens_per_s, peak_rss_mb, shape
+        stare-jax (STARE loss) figures, as in contract 9
+    update_model_tflop, update_mfu, matmul_peak_gflops
+        model FLOPs of one update step (forward + backward, 6 N_params tokens + causal attention),
+        and their rate over median_update_s as a fraction of the measured float32 matmul peak
+    participants: {name: the same per-participant medians}
+    speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
+    stare_overhead: stare-jax STARE median_step_s / GRPO median_step_s - 1   (with --grpo)
+
+    python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
+                                 [--peer-python .bench-venv/bin/python]
+
+The peers need requirements-bench.txt in their own virtual environment (see that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = os.path.join(HERE, "bench_peers")
+sys.path.insert(0, PEERS)
+
+import common  # noqa: E402
+
+WORKER_TIMEOUT_S = 1800.0
+
+
+class Worker:
+    """One participant's subprocess, speaking the protocol of bench_peers/common.py."""
+
+    def __init__(self, name: str, script: str, python: str, workload: dict):
+        self.name = name
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([python, os.path.join(PEERS, script), json.dumps(workload)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=os.path.dirname(HERE))
+        self.info = self._read()
+        self.steps: list[dict] = []
+
+    def _read(self) -> dict:
+        """The next protocol line; raises if the worker exits first."""
+        for line in self.proc.stdout:
+            if line.startswith(common.PREFIX):
+                return json.loads(line[len(common.PREFIX):])
+        raise RuntimeError(f"{self.name}: the worker exited (code {self.proc.wait()}) before answering; "
+                           "its stderr is above")
+
+    def step(self) -> dict:
+        """Runs one timed step in the worker and records its figures."""
+        self.proc.stdin.write(json.dumps({"cmd": "step"}) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        self.steps.append(out)
+        return out
+
+    def close(self) -> None:
+        """Asks the worker to exit (kills it if it does not within a minute)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def summary(self) -> dict:
+        """Medians over the recorded steps."""
+        med = lambda k: statistics.median(s[k] for s in self.steps)
+        gen_s = statistics.median(s["rollout_s"] - s.get("reward_s", 0.0) for s in self.steps)
+        return {"median_step_s": round(med("step_s"), 4), "median_rollout_s": round(med("rollout_s"), 4),
+                "median_update_s": round(med("update_s"), 4), "median_reward_s": round(med("reward_s"), 4),
+                "rollout_tokens_per_s": round(med("tokens") / gen_s, 1),
+                "peak_rss_mb": round(max(s["peak_rss_mb"] for s in self.steps), 1),
+                "steps": len(self.steps), **{k: v for k, v in self.info.items() if k != "ready"}}
+
+
+def update_model_flops(w: dict) -> float:
+    """Model FLOPs of one update step over the batch: 3x the forward (forward + backward), the forward
+    being 2 FLOPs per multiply-add of every weight matmul on every token (the output projection only
+    on response tokens, where log-probs are needed) plus causal attention, 2 * 2 * S^2/2 * H * hd
+    per layer and sequence."""
+    D, F, L, H, K = w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"], w["num_kv_heads"]
+    hd = D // H
+    n = w["num_prompts"] * w["group_size"]
+    S = w["prompt_len"] + w["new_tokens"]
+    per_token = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F)
+    forward = 2 * n * S * per_token + 2 * n * w["new_tokens"] * D * w["vocab_size"] \
+        + L * n * 2 * S * S * H * hd
+    return 3.0 * forward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each participant per round)")
+    ap.add_argument("--peer", action="append", choices=("trl", "tunix"), default=[],
+                    help="also run this peer (repeatable)")
+    ap.add_argument("--peer-python", default=sys.executable,
+                    help="Python of the environment with requirements-bench.txt (for --peer)")
+    ap.add_argument("--grpo", action="store_true", help="also run stare-jax with the plain GRPO loss (STARE overhead)")
+    args = ap.parse_args()
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+
+    workload = dict(common.LARGE if args.large else common.DEFAULT)
+    shape = {k: workload[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                      "intermediate_size", "num_prompts", "group_size", "prompt_len", "new_tokens")}
+    workers: list[Worker] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "model")
+        subprocess.run([sys.executable, os.path.join(PEERS, "checkpoint.py"), ckpt] + (["--large"] if args.large else []),
+                       check=True, stdout=subprocess.DEVNULL)
+        workload["checkpoint"] = ckpt
+        plan = [("stare-jax", "ours_peer.py", sys.executable, dict(workload, loss="stare"))]
+        if args.grpo:
+            plan.append(("stare-jax-grpo", "ours_peer.py", sys.executable, dict(workload, loss="grpo")))
+        plan += [(p, f"{p}_peer.py", args.peer_python, dict(workload, loss="grpo")) for p in args.peer]
+        try:
+            for name, script, python, w in plan:  # warm-up one at a time
+                print(f"[bench_step] starting {name}", file=sys.stderr, flush=True)
+                workers.append(Worker(name, script, python, w))
+            load_before = os.getloadavg()[0]
+            for r in range(args.steps):
+                order = workers[r % len(workers):] + workers[:r % len(workers)]
+                for wk in order:
+                    out = wk.step()
+                    print(f"[bench_step] round {r} {wk.name}: step {out['step_s']:.3f}s "
+                          f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s)", file=sys.stderr,
+                          flush=True)
+            load_after = os.getloadavg()[0]
+        finally:
+            for wk in workers:
+                wk.close()
+
+    summaries = {wk.name: wk.summary() for wk in workers}
+    ours = summaries["stare-jax"]
+    flops = update_model_flops(workload)
+    peak = ours["matmul_peak_gflops"]
+    result = {k: ours[k] for k in ("median_step_s", "median_rollout_s", "median_update_s", "rollout_tokens_per_s",
+                                   "peak_rss_mb")}
+    result.update(shape=shape, workload="large" if args.large else "default", steps=args.steps,
+                  update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
+                  update_mfu=round(flops / ours["median_update_s"] / (peak * 1e9), 3),
+                  participants=summaries, cpu_count=os.cpu_count(),
+                  load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2))
+    if args.peer:
+        result["speedup"] = {p: round(summaries[p]["median_step_s"] / ours["median_step_s"], 2) for p in args.peer}
+    if args.grpo:
+        result["stare_overhead"] = round(ours["median_step_s"] / summaries["stare-jax-grpo"]["median_step_s"] - 1, 4)
+        result["stare_update_overhead"] = round(
+            ours["median_update_s"] / summaries["stare-jax-grpo"]["median_update_s"] - 1, 4)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
