@@ -56,6 +56,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.data_dir = ""                 # TFDS data dir ("" = WORKDIR/tfds)
     c.data.prompt_batch_size = 16        # prompts per step (global, all hosts)
     c.data.max_prompt_len = 24
+    c.data.prompt_bucket_multiple = 0    # >0: pad each batch's prompts to the smallest multiple of this that
+                                         #   holds its longest (one compile per bucket); 0: to max_prompt_len
     c.data.num_train = 20000             # synthetic task: generated training problems
     c.data.num_eval = 128                # synthetic task: generated evaluation problems
     c.data.countdown_min_numbers = 3
@@ -209,7 +211,7 @@ SCHEMA: dict[str, Field] = {
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),
     "data.name": _choice(*DATASETS), "data.train_files": _STR, "data.eval_files": _STR, "data.data_dir": _STR,
-    "data.prompt_batch_size": _int(1), "data.max_prompt_len": _int(1), "data.num_train": _int(1),
+    "data.prompt_batch_size": _int(1), "data.max_prompt_len": _int(1), "data.prompt_bucket_multiple": _int(0), "data.num_train": _int(1),
     "data.num_eval": _int(1), "data.countdown_min_numbers": _int(2, 6),
     "data.countdown_max_numbers": _int(2, 6), "data.countdown_max_number": _int(2, 1000),
     "data.countdown_max_target": _int(1),

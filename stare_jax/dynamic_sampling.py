@@ -23,11 +23,14 @@ class GroupBuffer:
     """Accumulates kept groups from successive generation batches until `target` groups are there.
 
     Each `add` takes a dict of arrays whose leading axis is responses (group by group) and a
-    per-group keep mask; `take()` returns exactly `target` groups, in arrival order.
+    per-group keep mask; `take()` returns exactly `target` groups, in arrival order. Arrays named in
+    `left_padded` may differ in width between generation batches (prompt buckets): `take()`
+    left-pads the narrower ones with zeros (zero attention mask = padding) to the widest.
     """
 
-    def __init__(self, target: int, group_size: int):
+    def __init__(self, target: int, group_size: int, *, left_padded: tuple[str, ...] = ()):
         self.target, self.group_size = target, group_size
+        self.left_padded = tuple(left_padded)
         self._parts: list[dict[str, np.ndarray]] = []
         self.num_groups = 0
         self.seen_groups = 0
@@ -49,4 +52,11 @@ class GroupBuffer:
         if not self.full:
             raise DynamicSamplingError(f"only {self.num_groups} of {self.target} groups kept")
         n = self.target * self.group_size
-        return {k: np.concatenate([p[k] for p in self._parts])[:n] for k in self._parts[0]}
+        out = {}
+        for k in self._parts[0]:
+            arrays = [p[k] for p in self._parts]
+            if k in self.left_padded:
+                width = max(a.shape[1] for a in arrays)
+                arrays = [np.pad(a, [(0, 0), (width - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
+            out[k] = np.concatenate(arrays)[:n]
+        return out

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
+from stare_jax.compilation import CompilationCounter
 from stare_jax import parallel
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
@@ -93,12 +94,13 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     and holds the same global batch. Returns (the global batch as host arrays, rollout metrics).
     Raises DynamicSamplingError after `dynamic_sampling.max_num_gen_batches` generation batches.
     """
+    from stare_jax.data.buckets import trim_to_bucket
     from stare_jax.rollout import generate
 
     G = config.rollout.group_size
     ds = config.dynamic_sampling
-    buffer = GroupBuffer(config.data.prompt_batch_size, G)
-    all_rewards, lengths, truncated = [], [], []
+    buffer = GroupBuffer(config.data.prompt_batch_size, G, left_padded=("input_ids", "attention_mask"))
+    all_rewards, lengths, truncated, prompt_lens, longest = [], [], [], [], []
     reward_stats: dict[str, float] = {}
     gen_batches = 0
     t_generate = t_reward = 0.0
@@ -106,8 +108,13 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
         prompts = next(data_iter)
         t0 = time.perf_counter()
-        prompt_ids = parallel.host_to_global(parallel.gather_hosts(prompts["prompt_ids"]), replicated)
-        prompt_mask = parallel.host_to_global(parallel.gather_hosts(prompts["prompt_mask"]), replicated)
+        prompt_ids, prompt_mask = trim_to_bucket(parallel.gather_hosts(prompts["prompt_ids"]),
+                                                 parallel.gather_hosts(prompts["prompt_mask"]),
+                                                 config.data.prompt_bucket_multiple)
+        prompt_lens.append(prompt_ids.shape[1])
+        longest.append(int(prompt_mask.sum(axis=1).max()))
+        prompt_ids = parallel.host_to_global(prompt_ids, replicated)
+        prompt_mask = parallel.host_to_global(prompt_mask, replicated)
         result = generate(model, prompt_ids, prompt_mask, rng=parallel.replicated_key(jax.random.fold_in(key, gen), mesh), group_size=G,
                           max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
                           temperature=config.rollout.temperature, top_p=config.rollout.top_p,
@@ -155,6 +162,7 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
         "batch_reward_mean": float(batch["rewards"].mean()),
         "dynamic_sampling_kept_frac": buffer.num_groups / max(buffer.seen_groups, 1),
         "dynamic_sampling_gen_batches": gen_batches,
+        "prompt_len": max(prompt_lens), "prompt_len_max": max(longest),
         "generate_s": t_generate, "reward_s": t_reward, **reward_stats,
     }
     return batch, metrics
@@ -173,6 +181,7 @@ def decode_responses(tokenizer, response_ids: np.ndarray, response_mask: np.ndar
 def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids, pad_id, mesh) -> dict:
     """avg@n and pass@k (k <= n = eval.n) per eval dataset, sampling at eval.temperature / eval.top_p."""
     from stare_jax.data import make_eval_iterator
+    from stare_jax.data.buckets import trim_to_bucket
     from stare_jax.eval_metrics import summarize
     from stare_jax.rewards import RewardPool
     from stare_jax.rollout import generate
@@ -193,8 +202,11 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
                                     limit=config.eval.max_prompts)
             replicated = parallel.replicated(mesh)
             for bi, prompts in enumerate(it):
-                result = generate(model, parallel.host_to_global(parallel.gather_hosts(prompts["prompt_ids"]), replicated),
-                                  parallel.host_to_global(parallel.gather_hosts(prompts["prompt_mask"]), replicated),
+                prompt_ids, prompt_mask = trim_to_bucket(parallel.gather_hosts(prompts["prompt_ids"]),
+                                                         parallel.gather_hosts(prompts["prompt_mask"]),
+                                                         config.data.prompt_bucket_multiple)
+                result = generate(model, parallel.host_to_global(prompt_ids, replicated),
+                                  parallel.host_to_global(prompt_mask, replicated),
                                   rng=parallel.replicated_key(jax.random.fold_in(jax.random.fold_in(key, di), bi), mesh),
                                   group_size=n,
                                   max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
@@ -273,9 +285,11 @@ def train(config, workdir: str) -> dict:
     progress = Progress(config.total_steps, start, enabled=config.logging.progress)
     row: dict = {}
     pool = RewardPool(config.reward.name, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
+    compilations = CompilationCounter()
     try:
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
+            compilations.take()
             t0 = time.perf_counter()
             batch, rollout_metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
                                                    jax.random.fold_in(step_key, 0), eos_ids=eos_ids, pad_id=pad_id,
@@ -286,7 +300,10 @@ def train(config, workdir: str) -> dict:
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
             t2 = time.perf_counter()
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
-                   "step_s": t2 - t0}
+                   "step_s": t2 - t0, "compilations": compilations.take()}
+            if step > start and row["compilations"]:
+                log.warning("step %d compiled %d XLA programs (prompt bucket %d): shapes changed since the first "
+                            "step", step, row["compilations"], row["prompt_len"])
             done = step + 1
             if config.test_freq and done % config.test_freq == 0 and config.eval.enabled:
                 row.update(_run_eval(config, train_state.model, tokenizer, eval_sources, base_key, done,

@@ -227,3 +227,20 @@ def test_pass_at_k_hand_cases():
     assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
     with pytest.raises(ValueError):
         pass_at_k(2, 1, 4)
+
+
+def test_no_recompilation_after_the_first_step_within_a_prompt_bucket(tiny_model, tmp_path):
+    """Prompts of 2-5 countdown numbers (7-15 tokens) all fall in the 16-token bucket: only step 0
+    compiles; steps whose longest prompt differs reuse the compiled sampler and update step."""
+    model, _ = tiny_model
+    overrides = tiny_overrides(model, str(tmp_path / "tfds"), **{
+        "data.prompt_bucket_multiple": 16, "data.max_prompt_len": 32, "data.countdown_min_numbers": 2,
+        "data.countdown_max_numbers": 5, "data.prompt_batch_size": 2, "total_steps": 6, "checkpoint_every": 6})
+    r = run_train(str(tmp_path / "run"), overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    assert len({row["prompt_len_max"] for row in rows}) > 1, "the prompts should vary in length"
+    assert all(row["prompt_len"] == 16 and row["prompt_len_max"] <= 16 for row in rows)
+    assert rows[0]["compilations"] > 0, "the counter should see the first step's compilations"
+    assert [row["compilations"] for row in rows[1:]] == [0] * 5
+    assert "compiled" not in r.stderr
