@@ -33,7 +33,7 @@ _COMMIT = "commit_success.txt"
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
-                     "data.data_dir", "data.prompt_bucket_multiple", "model.preset",
+                     "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "dynamic_sampling.max_num_gen_batches")
 
 

@@ -45,6 +45,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"      # parameter / optimizer dtype: float32 | bfloat16
     c.model.remat = False                # rematerialise each layer in the backward pass
+    c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
+                                         #   compile time grows with depth)
     c.model.vocab_chunk = 8192           # vocabulary chunk of the log-softmax / entropy pass
     c.model.embedded = ml_collections.ConfigDict(dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
@@ -206,7 +208,7 @@ SCHEMA: dict[str, Field] = {
     "seed": _int(0), "total_steps": _int(1), "checkpoint_every": _int(1), "keep_checkpoints": _int(1),
     "log_every": _int(1), "test_freq": _int(0),
     "model.path": _STR, "model.preset": _STR, "model.dtype": _choice("float32", "bfloat16"),
-    "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL, "model.vocab_chunk": _int(1),
+    "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL, "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

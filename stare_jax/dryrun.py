@@ -174,7 +174,7 @@ def abstract_train_state(config, cfg, mesh=None):
     def make_model():
         """The policy as the trainer builds it (dtype, parameter dtype, remat)."""
         return Decoder(cfg, dtype=DTYPES[config.model.dtype], param_dtype=DTYPES[config.model.param_dtype],
-                       remat=config.model.remat, mesh=mesh, rngs=nnx.Rngs(0))
+                       remat=config.model.remat, scan_layers=config.model.scan_layers, mesh=mesh, rngs=nnx.Rngs(0))
 
     def make():
         """The train state as `create_train_state` builds it."""

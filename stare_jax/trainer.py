@@ -32,7 +32,8 @@ def prepare_policy(config, workdir: str, mesh) -> Policy:
     """Loads the policy to train: `model.path`, or the embedded tiny model, created (and warm-started
     by `warmstart.steps` of supervised training on reference answers) in `WORKDIR/model` on first
     use and reused afterwards."""
-    kw = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, mesh=mesh, remat=config.model.remat)
+    kw = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, mesh=mesh, remat=config.model.remat,
+              scan_layers=config.model.scan_layers)
     if config.model.path:
         return from_pretrained(config.model.path, **kw)
     return from_pretrained(embedded_model_dir(config, workdir), **kw)

@@ -28,6 +28,7 @@ def bench_config(workload: dict):
     c = default_config()
     c.seed = w["seed"]
     c.model.path = w["checkpoint"]
+    c.model.scan_layers = False  # unrolled layers: faster at this depth on CPU (model.scan_layers)
     c.data.prompt_batch_size = w["num_prompts"]
     c.data.max_prompt_len = w["prompt_len"]
     c.rollout.group_size = w["group_size"]
@@ -74,7 +75,8 @@ def main() -> None:
 
     config = bench_config(workload)
     mesh = parallel.mesh_from_config(config.mesh)
-    policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh)
+    policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
+                             scan_layers=config.model.scan_layers)
     tokenizer = common.build_tokenizer()
     ids, _, truths = common.prompts(workload)
     prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}

@@ -89,10 +89,13 @@ class Decoder(nnx.Module):
     """Causal LM: token ids -> float32 logits, with an optional preallocated KV cache."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 remat: bool = False, mesh: Mesh | None = None, rngs: nnx.Rngs):
+                 remat: bool = False, scan_layers: bool = True, mesh: Mesh | None = None, rngs: nnx.Rngs):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.remat = remat
+        # scan_layers=False unrolls the layer loop: longer compiles, but no per-layer slicing and
+        # stacking of weights and saved activations (about 15% faster fwd+bwd for small models on CPU).
+        self.scan_layers = scan_layers
         # With a mesh, the residual stream is pinned to the batch sharding so XLA gathers FSDP
         # weights instead of all-reducing activations (which would hold a whole micro-batch's MLP
         # activations on every device).
@@ -166,7 +169,7 @@ class Decoder(nnx.Module):
 
         if self.remat:
             layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-        x, new_cache = jax.lax.scan(layer, x, (self.layers.arrays(), cache))
+        x, new_cache = jax.lax.scan(layer, x, (self.layers.arrays(), cache), unroll=not self.scan_layers)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
 
 

@@ -96,7 +96,7 @@ def _transposed(path: str) -> bool:
 
 
 def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | None = None,
-                remat: bool = False, mesh: Mesh | None = None,
+                remat: bool = False, scan_layers: bool = True, mesh: Mesh | None = None,
                 load: Callable[[str, tuple, tuple], np.ndarray] | None = None, seed: int = 0) -> Decoder:
     """Builds the decoder with every parameter placed by the partition rules.
 
@@ -104,7 +104,8 @@ def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | 
     without it the parameters are randomly initialised (on the host, then sharded).
     """
     pdt = DTYPES[param_dtype or dtype]
-    make = lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, mesh=mesh, rngs=nnx.Rngs(seed))
+    make = lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, scan_layers=scan_layers, mesh=mesh,
+                           rngs=nnx.Rngs(seed))
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
@@ -156,7 +157,8 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def from_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                    mesh: Mesh | None = None, remat: bool = False, load_tokenizer: bool = True) -> Policy:
+                    mesh: Mesh | None = None, remat: bool = False, scan_layers: bool = True,
+                    load_tokenizer: bool = True) -> Policy:
     """Loads a Llama/Qwen2/Qwen3 HF directory (config.json, safetensors, tokenizer) as a Policy.
 
     With `mesh`, each weight is created already sharded by `stare_jax.parallel.PARAM_RULES`.
@@ -199,7 +201,8 @@ def from_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
             return np.stack(blocks)
         return _read(reader.get(hf), index, _transposed(p))
 
-    model = build_model(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, mesh=mesh, load=load)
+    model = build_model(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers, mesh=mesh,
+                        load=load)
     tokenizer = load_tokenizer_dir(path) if load_tokenizer else None
     return Policy(model=model, config=cfg, tokenizer=tokenizer, mesh=mesh)
 
