@@ -328,7 +328,7 @@ def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     from flax import nnx
 
     from stare_jax import parallel
-    from stare_jax.rollout.sampler import RolloutSpec, _compiled_rollout
+    from stare_jax.rollout.sampler import RolloutSpec, _compiled_rollout, auto_segments
     from stare_jax.rollout.sampling import SamplingParams
 
     graphdef, model_state = nnx.split(abstract_ts.model)
@@ -337,7 +337,7 @@ def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     spec = RolloutSpec(group_size=shape.group_size, max_new_tokens=shape.max_new_tokens, eos_ids=eos_ids,
                        pad_id=int(pad_id), sampling=SamplingParams(shape.temperature, shape.top_k, shape.top_p, False),
-                       mesh=mesh)
+                       mesh=mesh, decode_segments=auto_segments(shape.max_new_tokens))
     rep = parallel.replicated(mesh)
     ids = jax.ShapeDtypeStruct((shape.prompts, shape.prompt_len), jnp.int32, sharding=rep)
     mask = jax.ShapeDtypeStruct((shape.prompts, shape.prompt_len), jnp.int32, sharding=rep)

@@ -9,8 +9,9 @@ prompt i). What differs is how the keys and values are stored:
   every response of the group attends to them: the G*(H/K) queries of a group and KV head
   form one matmul against the shared keys, so the prompt part of the cache costs B*P slots
   of memory and bandwidth instead of N*P;
-* response keys/values live in per-row buffers, keys [N, K, hd, R] and values [N, K, R, hd]
-  per layer, so both attention products are plain batched matmuls with no per-step transpose;
+* response keys/values live in per-row buffers, keys [N, K, hd, S] and values [N, K, S, hd]
+  per layer and block of S slots, so both attention products are plain batched matmuls with
+  no per-step transpose; the sampler's decode loop for block j reads blocks 0..j only;
   the layers are unrolled, so each layer's buffers are their own arrays, written in place
   inside the decode loop (under `lax.scan` each layer's slice of a stacked cache is copied
   out and back every step);
@@ -72,11 +73,13 @@ def layer_params(model: Decoder) -> list[dict[str, jax.Array]]:
 
 def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
                 response: list[LayerKV], tokens: jax.Array, positions: jax.Array,
-                slot) -> tuple[jax.Array, list[LayerKV]]:
-    """Logits [N, V] (float32) for one new token per row, and the response cache holding its keys.
+                slot, past: list[list[LayerKV]] | None = None) -> tuple[jax.Array, list[LayerKV]]:
+    """Logits [N, V] (float32) for one new token per row, and the response block holding its keys.
 
-    tokens, positions: [N] (RoPE position of each new token). The new key/value goes into
-    response slot `slot`; the token attends to its prompt and to response slots 0..slot.
+    tokens, positions: [N] (RoPE position of each new token). The new key/value goes into slot
+    `slot` of the current response block (`response`, per layer); the token attends to its
+    prompt, to every slot of the earlier, full blocks `past[layer]` and to slots 0..slot of
+    the current block.
     """
     cfg, dtype = model.config, model.dtype
     x = jnp.take(model.embed[...], tokens, axis=0).astype(dtype)                      # [N, D]
@@ -85,13 +88,15 @@ def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: Prom
     length = response[0][1].shape[2]
     response_bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
     new_response = []
-    for p, prompt_kv, response_kv in zip(layers, prompt.layers, response):
-        x, response_kv = _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt.bias, response_kv, response_bias, slot)
+    past = past or [[] for _ in layers]
+    for p, prompt_kv, response_kv, past_kv in zip(layers, prompt.layers, response, past):
+        x, response_kv = _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt.bias, response_kv, response_bias, slot,
+                                past_kv)
         new_response.append(response_kv)
     return model.logits(rms_norm(x, model.final_norm[...], cfg.rms_norm_eps)), new_response
 
 
-def _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt_bias, response_kv, response_bias, slot):
+def _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt_bias, response_kv, response_bias, slot, past_kv=()):
     """One pre-norm block for x [N, D]; returns the new residual stream and the layer's response (k, v)."""
     N = x.shape[0]
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -101,17 +106,19 @@ def _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt_bias, response_kv, resp
     v = v.transpose(0, 2, 1, 3)                                           # [N, K, 1, hd]
     k_cache = jax.lax.dynamic_update_slice(response_kv[0], k.astype(dtype), (0, 0, 0, slot))
     v_cache = jax.lax.dynamic_update_slice(response_kv[1], v.astype(dtype), (0, 0, slot, 0))
-    attn = _grouped_attention(q, prompt_kv, prompt_bias, (k_cache, v_cache), response_bias, dtype)
+    attn = _grouped_attention(q, prompt_kv, prompt_bias, (k_cache, v_cache), response_bias, dtype, past_kv)
     x = attention_residual(p, x, attn.reshape(N, H * hd), dtype)
     return mlp_residual(cfg, p, x, dtype), (k_cache, v_cache)
 
 
-def _grouped_attention(q, prompt_kv, prompt_bias, response_kv, response_bias, dtype):
-    """softmax(q.[k_prompt; k_response] / sqrt(hd) + bias) . [v_prompt; v_response], float32 [N, K, Q, hd].
+def _grouped_attention(q, prompt_kv, prompt_bias, response_kv, response_bias, dtype, past_kv=()):
+    """softmax(q.[k_prompt; k_past; k_response] / sqrt(hd) + bias) . [v_prompt; v_past; v_response],
+    float32 [N, K, Q, hd].
 
     q: [N, K, Q, hd] (Q query heads per KV head); prompt k/v: [B, K, P, hd], shared by the
-    G = N/B consecutive rows of a group; response k: [N, K, hd, R] and v: [N, K, R, hd]. The two
-    parts share one softmax: a common max, and a common normaliser applied at the end.
+    G = N/B consecutive rows of a group; response blocks (the current one, and the full earlier
+    ones in `past_kv`, all unmasked): k [N, K, hd, S] and v [N, K, S, hd]. All parts share one
+    softmax: a common max, and a common normaliser applied at the end.
     """
     N, K, Q, hd = q.shape
     B = prompt_kv[0].shape[0]
@@ -123,14 +130,17 @@ def _grouped_attention(q, prompt_kv, prompt_bias, response_kv, response_bias, dt
 
     prompt_scores = jnp.einsum("bkmd,bksd->bkms", to_groups(q), prompt_kv[0], preferred_element_type=jnp.float32)
     prompt_scores = prompt_scores * scale + prompt_bias                                  # [B, K, G*Q, P]
-    response_scores = jnp.einsum("nkqd,nkds->nkqs", q, response_kv[0], preferred_element_type=jnp.float32)
-    response_scores = response_scores * scale + response_bias                            # [N, K, Q, R]
-    top = jnp.maximum(to_rows(prompt_scores.max(axis=-1, keepdims=True)), response_scores.max(axis=-1, keepdims=True))
+    blocks = [*past_kv, response_kv]
+    scores = [jnp.einsum("nkqd,nkds->nkqs", q, k, preferred_element_type=jnp.float32) * scale for k, _ in blocks]
+    scores[-1] = scores[-1] + response_bias                                               # [N, K, Q, S_j]
+    top = to_rows(prompt_scores.max(axis=-1, keepdims=True))
+    for s in scores:
+        top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
     prompt_weights = jnp.exp(prompt_scores - to_groups(top))
-    response_weights = jnp.exp(response_scores - top)
-    total = to_rows(prompt_weights.sum(axis=-1, keepdims=True)) + response_weights.sum(axis=-1, keepdims=True)
+    weights = [jnp.exp(s - top) for s in scores]
+    total = to_rows(prompt_weights.sum(axis=-1, keepdims=True)) + sum(w.sum(axis=-1, keepdims=True) for w in weights)
     out = to_rows(jnp.einsum("bkms,bksd->bkmd", prompt_weights.astype(dtype), prompt_kv[1],
                              preferred_element_type=jnp.float32))
-    out = out + jnp.einsum("nkqs,nksd->nkqd", response_weights.astype(dtype), response_kv[1],
-                           preferred_element_type=jnp.float32)
+    for w, (_, v) in zip(weights, blocks):
+        out = out + jnp.einsum("nkqs,nksd->nkqd", w.astype(dtype), v, preferred_element_type=jnp.float32)
     return out / total

@@ -7,9 +7,12 @@ One jitted pure function (`grouped_rollout`) does the whole rollout on device:
 2. grouping: each prompt gets G response rows (rows i*G .. i*G+G-1 answer prompt i). The rows
    of a group share their prompt's keys/values (see `stare_jax.rollout.decode`); each row has
    its own preallocated response cache of R slots;
-3. decode: a `lax.while_loop` samples one token per row per step, records it with its
-   temperature-1 log-prob, and feeds it back; it stops as soon as every row has produced an
-   EOS, or after R tokens.
+3. decode: `lax.while_loop`s sample one token per row per step, record it with its
+   temperature-1 log-prob, and feed it back; they stop as soon as every row has produced an
+   EOS, or after R tokens. The R response slots are split into `decode_segments` blocks with one
+   loop each, and the loop of block j attends only to blocks 0..j: on average the steps read
+   about (1 + 1/segments)/2 of the response cache instead of all of it (decode is bound by
+   reading the cache once responses are long).
 
 The model enters as (graphdef, state): the graphdef and the `RolloutSpec` are static, the
 parameters are ordinary arguments, so new parameter values after an optimizer step reuse the
@@ -78,11 +81,27 @@ class RolloutSpec:
     pad_id: int
     sampling: SamplingParams
     mesh: Mesh | None = None
+    decode_segments: int = 1
+
+
+def auto_segments(max_new_tokens: int) -> int:
+    """Default number of decode loops: one per 32 response slots, at most 4 (each loop is another
+    copy of the decode step in the compiled program; measured on CPU, 4 loops make 128-token
+    rollouts ~15% faster and leave 64-token ones unchanged)."""
+    return max(1, min(4, max_new_tokens // 32))
+
+
+def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:
+    """Splits response slots [0, length) into at most `segments` consecutive blocks of equal size
+    (the last may be shorter): [(start, end), ...]."""
+    size = -(-length // max(1, min(segments, length)))
+    return [(a, min(a + size, length)) for a in range(0, length, size)]
 
 
 def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_size: int, max_new_tokens: int,
              eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
-             pad_id: int | None = None, mesh: Mesh | None = None) -> RolloutResult:
+             pad_id: int | None = None, mesh: Mesh | None = None,
+             decode_segments: int | None = None) -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -91,6 +110,8 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     when `greedy`. A response ends at its first token in `eos_ids` (kept, masked 1) and is
     padded with `pad_id` (default: the model's pad id, else the first EOS id, else 0) after it.
     All randomness comes from `rng` (unused when greedy), so a key determines the rollout.
+    `decode_segments` splits the decode loop (see `grouped_rollout`; default `auto_segments`); it
+    changes speed, not results beyond floating-point rounding.
 
     With a mesh (`mesh=`, else `Policy.mesh`, else the one the parameters live on) the B*G rows
     are split over the ("data", "fsdp") axes, whose size must divide B*G.
@@ -106,9 +127,12 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
         pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
     spec = RolloutSpec(group_size=int(group_size), max_new_tokens=int(max_new_tokens), eos_ids=eos_ids,
                        pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
-                                                                   bool(greedy)), mesh=mesh)
-    if spec.group_size < 1 or spec.max_new_tokens < 1:
-        raise ValueError(f"group_size and max_new_tokens must be >= 1, got {group_size} and {max_new_tokens}")
+                                                                   bool(greedy)), mesh=mesh,
+                       decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
+                                           else decode_segments))
+    if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
+        raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
+                         f"{max_new_tokens} and {spec.decode_segments}")
     if np.ndim(prompt_ids) != 2 or np.shape(prompt_ids) != np.shape(prompt_mask) or np.shape(prompt_ids)[1] < 1:
         raise ValueError(f"prompt_ids and prompt_mask must both be [B, P] with P >= 1, got shapes "
                          f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
@@ -154,7 +178,6 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
                                           cache=model.init_cache(B, prompt_len), cache_index=0)
     prompt = prompt_cache(prefill, prompt_mask)
     prompt = prompt._replace(layers=[tuple(map(kv_sharding(B), kv)) for kv in prompt.layers])
-    response = [tuple(map(kv_sharding(N), kv)) for kv in empty_response_cache(model, N, R)]
     first_logits = rows(repeat(model.logits(hidden[:, -1])))
     prompt_mask = rows(repeat(prompt_mask))
     prompt_lengths = prompt_mask.sum(axis=1)
@@ -178,19 +201,31 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
                rows(jnp.zeros((N, R), jnp.int32)), rows(jnp.zeros((N, R), jnp.float32)))
     outputs, token = record(outputs, 0, first_logits)
 
-    def keep_going(carry):
-        t, _, _, (done, *_) = carry
-        return (t < R) & ~jnp.all(done)
+    # Token t (t >= 1) is sampled after feeding token t-1 into response slot t-1. The slots are
+    # split into blocks, one while loop per block: the loop of block j writes block j and attends
+    # to blocks 0..j only, so early steps do not read the empty tail of the cache.
+    past: list[list] = [[] for _ in layers]
+    carry = (jnp.int32(1), token, outputs)
+    for start, end in segment_bounds(R, spec.decode_segments):
+        block = [tuple(map(kv_sharding(N), kv)) for kv in empty_response_cache(model, N, end - start)]
 
-    def step(carry):
-        """Feeds token t-1 (response slot t-1) and records token t."""
-        t, response, token, outputs = carry
-        logits, response = decode_step(model, layers, prompt, response, token, prompt_lengths + t - 1, t - 1)
-        outputs, token = record(outputs, t, logits)
-        return t + 1, response, token, outputs
+        def keep_going(c, end=end):
+            t, _, _, (done, *_) = c
+            return (t < R) & (t <= end) & ~jnp.all(done)
 
-    carry = jax.lax.while_loop(keep_going, step, (jnp.int32(1), response, token, outputs))
-    done, ids, mask, logps = carry[3]
+        def step(c, start=start):
+            """Feeds token t-1 (slot t-1 of the response, t-1-start of this block) and records token t."""
+            t, block, token, outputs = c
+            logits, block = decode_step(model, layers, prompt, block, token, prompt_lengths + t - 1, t - 1 - start,
+                                        past=past)
+            outputs, token = record(outputs, t, logits)
+            return t + 1, block, token, outputs
+
+        t, block, token, outputs = jax.lax.while_loop(keep_going, step, (carry[0], block, *carry[1:]))
+        carry = (t, token, outputs)
+        for layer_past, kv in zip(past, block):
+            layer_past.append(kv)
+    done, ids, mask, logps = carry[2]
     return RolloutResult(tokens=jnp.concatenate([rows(repeat(prompt_ids)), ids], axis=1),
                          attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
                          response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
