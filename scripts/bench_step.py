@@ -19,6 +19,7 @@ Medians over `--steps` rounds. The last line printed is one JSON object:
     participants: {name: the same per-participant medians}
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
     stare_overhead: stare-jax STARE median_step_s / GRPO median_step_s - 1   (with --grpo)
+    load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
 
     python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
                                  [--peer-python .bench-venv/bin/python]
@@ -96,6 +97,17 @@ class Worker:
                 "steps": len(self.steps), **{k: v for k, v in self.info.items() if k != "ready"}}
 
 
+def cpu_steal_jiffies() -> tuple[int, int]:
+    """(total, steal) CPU jiffies from /proc/stat ((0, 0) where unavailable): on a virtual machine,
+    steal is time the hypervisor gave this machine's cores to someone else."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[7] if len(fields) > 7 else 0
+    except (OSError, ValueError):
+        return 0, 0
+
+
 def update_model_flops(w: dict) -> float:
     """Model FLOPs of one update step over the batch: 3x the forward (forward + backward), the forward
     being 2 FLOPs per multiply-add of every weight matmul on every token (the output projection only
@@ -142,6 +154,7 @@ def main() -> None:
                 print(f"[bench_step] starting {name}", file=sys.stderr, flush=True)
                 workers.append(Worker(name, script, python, w))
             load_before = os.getloadavg()[0]
+            stat_before = cpu_steal_jiffies()
             for r in range(args.steps):
                 order = workers[r % len(workers):] + workers[:r % len(workers)]
                 for wk in order:
@@ -150,6 +163,7 @@ def main() -> None:
                           f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s)", file=sys.stderr,
                           flush=True)
             load_after = os.getloadavg()[0]
+            stat_after = cpu_steal_jiffies()
         finally:
             for wk in workers:
                 wk.close()
@@ -164,7 +178,8 @@ def main() -> None:
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / ours["median_update_s"] / (peak * 1e9), 3),
                   participants=summaries, cpu_count=os.cpu_count(),
-                  load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2))
+                  load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2),
+                  cpu_steal_frac=round((stat_after[1] - stat_before[1]) / max(1, stat_after[0] - stat_before[0]), 3))
     if args.peer:
         result["speedup"] = {p: round(summaries[p]["median_step_s"] / ours["median_step_s"], 2) for p in args.peer}
     if args.grpo:

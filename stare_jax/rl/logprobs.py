@@ -17,7 +17,8 @@ and, without gradient, the diagnostics quantity Q = sum_j pi_j^2 (s_j - H) with 
 When m grows to m', old sums are rescaled by a = e^{m - m'} (a^2 for the squared sums) and the
 shifted first moments pick up (m - m') times the matching zeroth moment. The chunk body is wrapped
 in `jax.checkpoint`, so reverse-mode autodiff saves only the per-position carries and recomputes a
-chunk's logits in the backward pass: peak extra memory is O(N T C), not O(N T V). The running max
+chunk's logits in the backward pass: peak extra memory is O(N T C), not O(N T V). A vocabulary of
+at most C columns is one chunk, computed without the loop and without recomputation. The running max
 carries no gradient (the result is shift-invariant).
 
 A vocabulary that C does not divide is handled without padding the matrix: the last chunk starts at
@@ -91,10 +92,13 @@ def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chun
             s2_new, s2z_new = s2, s2z
         return (m_new, se_new, sz_new, zk_new, s2_new, s2z_new), None
 
-    body = jax.checkpoint(body, prevent_cse=False)
     zeros = jnp.zeros((N, T), jnp.float32)
     init = (jnp.full((N, T), _NEG, jnp.float32), zeros, zeros, zeros, zeros, zeros)
-    (m, se, sz, zk, s2, s2z), _ = jax.lax.scan(body, init, jnp.arange(num_chunks, dtype=jnp.int32))
+    if num_chunks == 1:  # the whole vocabulary is one chunk: no loop, and no recomputation in the backward
+        (m, se, sz, zk, s2, s2z), _ = body(init, jnp.int32(0))
+    else:
+        body = jax.checkpoint(body, prevent_cse=False)
+        (m, se, sz, zk, s2, s2z), _ = jax.lax.scan(body, init, jnp.arange(num_chunks, dtype=jnp.int32))
     log_se = jnp.log(se)
     mean_shifted = sz / se  # sum_j pi_j (z_j - m)
     log_probs = zk - m - log_se

@@ -59,6 +59,12 @@ from stare_jax.rl.settings import RLSettings
 from stare_jax.rl.stare import ControllerState, controller_update, stare_weights_and_sets
 from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
 
+# XLA:CPU hands matmuls to XNNPACK/YNNPACK fusions by default. Those are the faster kernels for
+# the sampler's skinny decode matmuls ([rows, D] @ [D, F]), but for the update step's large ones
+# its Eigen matmuls measured ~20% faster end to end (scripts/bench_step.py), so the update step
+# alone is compiled without them. Only the CPU backend reads these options.
+CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": ""}
+
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
 
 
@@ -318,9 +324,11 @@ class UpdateStep:
         self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in BATCH_NDIMS.items()}
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
         self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
                               out_shardings=(self.state_shardings, replicated),
-                              donate_argnums=(0,) if donate else ())
+                              donate_argnums=(0,) if donate else (),
+                              compiler_options=CPU_UPDATE_COMPILER_OPTIONS if on_cpu else None)
 
     @staticmethod
     def _batch(batch: dict) -> dict:
