@@ -372,7 +372,7 @@ def compile_update(config, abstract_ts, mesh):
     from stare_jax import parallel
     from stare_jax.rl import make_update_step
 
-    step = make_update_step(config, mesh, abstract_ts)
+    step = make_update_step(config, mesh, abstract_ts, cpu_options=False)  # as an accelerator compiles it
     state = with_shardings(nnx.state(abstract_ts), step.state_shardings)
     rng = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=parallel.replicated(mesh))

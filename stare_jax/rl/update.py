@@ -62,7 +62,8 @@ from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_s
 # XLA:CPU hands matmuls to XNNPACK/YNNPACK fusions by default. Those are the faster kernels for
 # the sampler's skinny decode matmuls ([rows, D] @ [D, F]), but for the update step's large ones
 # its Eigen matmuls measured ~20% faster end to end (scripts/bench_step.py), so the update step
-# alone is compiled without them. Only the CPU backend reads these options.
+# alone is compiled without them. Only the CPU backend reads these options (and the dry run, which
+# uses CPU compiles to stand in for TPU/GPU ones, leaves them out).
 CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": ""}
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
@@ -314,7 +315,8 @@ class UpdateStep:
     `step.lower(state, batch, rng)` lowers it (arguments may be abstract `jax.ShapeDtypeStruct`s).
     """
 
-    def __init__(self, settings: RLSettings, mesh: Mesh, train_state: TrainState, *, donate: bool = True):
+    def __init__(self, settings: RLSettings, mesh: Mesh, train_state: TrainState, *, donate: bool = True,
+                 cpu_options: bool = True):
         if settings.loss.uses_reference and train_state.ref_model is None:
             raise ValueError(f"loss.kl_type={settings.loss.kl_type!r} needs a train state with a reference model")
         self.settings = settings
@@ -324,7 +326,7 @@ class UpdateStep:
         self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in BATCH_NDIMS.items()}
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
-        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        on_cpu = cpu_options and mesh.devices.flat[0].platform == "cpu"
         self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
                               out_shardings=(self.state_shardings, replicated),
                               donate_argnums=(0,) if donate else (),
@@ -351,12 +353,14 @@ class UpdateStep:
         return train_state, metrics
 
 
-def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, donate: bool = True) -> UpdateStep:
+def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, donate: bool = True,
+                     cpu_options: bool = True) -> UpdateStep:
     """Builds the jitted update step for `train_state`'s structure (real or `nnx.eval_shape`d).
 
     `config` is the ml_collections config (or an `RLSettings`); `mesh=None` uses one device.
+    `cpu_options=False` compiles without `CPU_UPDATE_COMPILER_OPTIONS` on a CPU mesh.
     """
     settings = config if isinstance(config, RLSettings) else RLSettings.from_config(config)
     if mesh is None:
         mesh = parallel.make_mesh(devices=jax.devices()[:1])
-    return UpdateStep(settings, mesh, train_state, donate=donate)
+    return UpdateStep(settings, mesh, train_state, donate=donate, cpu_options=cpu_options)
