@@ -85,6 +85,15 @@ def prompt_style(config) -> str:
 
 # ----------------------------------------------------------------------------- rollouts
 
+def global_prompts(config, prompts: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The global prompt batch (every host's rows, in order) as host arrays [B, P'], cut to its
+    length bucket (`data.prompt_bucket_multiple`; P' = max_prompt_len without buckets)."""
+    from stare_jax.data.buckets import trim_to_bucket
+
+    return trim_to_bucket(parallel.gather_hosts(prompts["prompt_ids"]), parallel.gather_hosts(prompts["prompt_mask"]),
+                          config.data.prompt_bucket_multiple)
+
+
 def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pad_id, mesh):
     """Generates groups until `data.prompt_batch_size` groups with reward spread are kept (DAPO), or
     takes the first generation batch when dynamic sampling is off.
@@ -95,7 +104,6 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     and holds the same global batch. Returns (the global batch as host arrays, rollout metrics).
     Raises DynamicSamplingError after `dynamic_sampling.max_num_gen_batches` generation batches.
     """
-    from stare_jax.data.buckets import trim_to_bucket
     from stare_jax.rollout import generate
 
     G = config.rollout.group_size
@@ -109,9 +117,7 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
         prompts = next(data_iter)
         t0 = time.perf_counter()
-        prompt_ids, prompt_mask = trim_to_bucket(parallel.gather_hosts(prompts["prompt_ids"]),
-                                                 parallel.gather_hosts(prompts["prompt_mask"]),
-                                                 config.data.prompt_bucket_multiple)
+        prompt_ids, prompt_mask = global_prompts(config, prompts)
         prompt_lens.append(prompt_ids.shape[1])
         longest.append(int(prompt_mask.sum(axis=1).max()))
         prompt_ids = parallel.host_to_global(prompt_ids, replicated)
@@ -182,7 +188,6 @@ def decode_responses(tokenizer, response_ids: np.ndarray, response_mask: np.ndar
 def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids, pad_id, mesh) -> dict:
     """avg@n and pass@k (k <= n = eval.n) per eval dataset, sampling at eval.temperature / eval.top_p."""
     from stare_jax.data import make_eval_iterator
-    from stare_jax.data.buckets import trim_to_bucket
     from stare_jax.eval_metrics import summarize
     from stare_jax.rewards import RewardPool
     from stare_jax.rollout import generate
@@ -203,9 +208,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
                                     limit=config.eval.max_prompts)
             replicated = parallel.replicated(mesh)
             for bi, prompts in enumerate(it):
-                prompt_ids, prompt_mask = trim_to_bucket(parallel.gather_hosts(prompts["prompt_ids"]),
-                                                         parallel.gather_hosts(prompts["prompt_mask"]),
-                                                         config.data.prompt_bucket_multiple)
+                prompt_ids, prompt_mask = global_prompts(config, prompts)
                 result = generate(model, parallel.host_to_global(prompt_ids, replicated),
                                   parallel.host_to_global(prompt_mask, replicated),
                                   rng=parallel.replicated_key(jax.random.fold_in(jax.random.fold_in(key, di), bi), mesh),

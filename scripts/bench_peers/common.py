@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 
 import numpy as np
 
@@ -78,6 +79,34 @@ def reward(response: str, ground_truth: str) -> float:
     target = int(ground_truth)
     hits = sum(1 for w in words if w.startswith("w") and w[1:].isdigit() and int(w[1:]) % 4 == target)
     return hits / len(words)
+
+
+class StepClock:
+    """Timings of the step in progress, for the peers whose trainers run the step themselves:
+    `begin()` when the step starts, `rollout_s` / `tokens` added by the rollout hook, `score`
+    for the reward, `report()` when the optimizer step has finished."""
+
+    def __init__(self):
+        self.begin()
+
+    def begin(self) -> None:
+        """Starts timing a new step."""
+        self.start = time.perf_counter()
+        self.rollout_s = self.reward_s = 0.0
+        self.tokens = 0
+
+    def score(self, completions, ground_truths) -> list[float]:
+        """`reward` of each completion against its ground truth, timed into `reward_s`."""
+        t0 = time.perf_counter()
+        rewards = [reward(c, str(g)) for c, g in zip(completions, ground_truths, strict=True)]
+        self.reward_s += time.perf_counter() - t0
+        return rewards
+
+    def report(self) -> dict:
+        """The protocol's step report; update_s is the step's time outside the rollout phase."""
+        step_s = time.perf_counter() - self.start
+        return {"rollout_s": self.rollout_s, "reward_s": self.reward_s, "update_s": step_s - self.rollout_s,
+                "step_s": step_s, "tokens": self.tokens, "peak_rss_mb": peak_rss_mb()}
 
 
 def peak_rss_mb() -> float:

@@ -57,19 +57,6 @@ DATASET_REPEATS = 1000
 MAX_STEPS = 10**9
 
 
-class StepClock:
-    """What the current step spent in rollout and reward, and how many tokens it generated."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        """Starts a new step."""
-        self.rollout_s = 0.0
-        self.reward_s = 0.0
-        self.tokens = 0
-
-
 def grpo_config(workload: dict, output_dir: str) -> GRPOConfig:
     """The TRL options that reproduce the workload (see the module docstring)."""
     w = workload
@@ -114,17 +101,14 @@ def train_dataset(workload: dict, tokenizer) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"prompt": texts * DATASET_REPEATS, "ground_truth": truths * DATASET_REPEATS})
 
 
-def reward_func(clock: StepClock):
+def reward_func(clock: common.StepClock):
     """A TRL reward function applying `common.reward` to each completion, timed into `clock`."""
     def bench_reward(completions, ground_truth, **kwargs):
-        start = time.perf_counter()
-        rewards = [common.reward(c, g) for c, g in zip(completions, ground_truth, strict=True)]
-        clock.reward_s += time.perf_counter() - start
-        return rewards
+        return clock.score(completions, ground_truth)
     return bench_reward
 
 
-def time_rollout(trainer: GRPOTrainer, workload: dict, clock: StepClock) -> None:
+def time_rollout(trainer: GRPOTrainer, workload: dict, clock: common.StepClock) -> None:
     """Wraps the trainer's `_generate_and_score_completions` to time it into `clock`, count the
     generated tokens and check that the batch has the workload's exact shape without padding."""
     generate_and_score = trainer._generate_and_score_completions
@@ -153,10 +137,10 @@ class CommandGate(TrainerCallback):
     """Blocks after each optimizer step until the driver's next command. After the first (warm-up)
     step it prints ready; after each later step, that step's timings. Stops training on exit / EOF."""
 
-    def __init__(self, clock: StepClock):
+    def __init__(self, clock: common.StepClock):
         self.clock = clock
         self.commands = common.commands()
-        self.started = None  # perf_counter() when the current timed step's command arrived
+        self.warming_up = True
         self.train_start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -165,24 +149,20 @@ class CommandGate(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         """Reports the step that just ended, then waits for the next command."""
-        now = time.perf_counter()
-        c = self.clock
-        if self.started is None:
+        if self.warming_up:
+            self.warming_up = False
             common.send({"ready": True, "framework": "trl", "torch_threads": torch.get_num_threads(),
-                         "trl": trl.__version__, "transformers": transformers.__version__,
-                         "torch": torch.__version__, "optimizer": args.optim, "warmup_s": now - self.train_start})
+                         "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+                         "optimizer": args.optim, "warmup_s": time.perf_counter() - self.train_start})
         else:
-            step_s = now - self.started
-            common.send({"rollout_s": c.rollout_s, "reward_s": c.reward_s, "update_s": step_s - c.rollout_s,
-                         "step_s": step_s, "tokens": c.tokens, "peak_rss_mb": common.peak_rss_mb()})
+            common.send(self.clock.report())
         cmd = next(self.commands, None)
         if cmd is None:
             control.should_training_stop = True
             return control
         if cmd.get("cmd") != "step":
             raise SystemExit(f"trl_peer: unknown command {cmd!r}")
-        c.reset()
-        self.started = time.perf_counter()
+        self.clock.begin()
         return control
 
 
@@ -193,7 +173,7 @@ def main() -> None:
     transformers.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     tokenizer = common.build_tokenizer()
-    clock = StepClock()
+    clock = common.StepClock()
     with tempfile.TemporaryDirectory(prefix="trl_peer_") as output_dir:
         model = AutoModelForCausalLM.from_pretrained(workload["checkpoint"], dtype=torch.float32)
         trainer = GRPOTrainer(model=model, reward_funcs=reward_func(clock), args=grpo_config(workload, output_dir),

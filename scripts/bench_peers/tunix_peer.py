@@ -56,34 +56,17 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 WARMUP_STEPS = 2
 
 
-class StepClock:
-    """Accumulates the timings of the step in progress."""
-
-    def __init__(self):
-        self.start = 0.0
-        self.rollout_s = 0.0
-        self.reward_s = 0.0
-        self.lengths: list[int] = []
-
-    def begin(self) -> None:
-        """Starts timing a step."""
-        self.start = time.perf_counter()
-        self.rollout_s = self.reward_s = 0.0
-        self.lengths = []
-
-    def end(self, model: nnx.Module) -> dict:
-        """Waits for the model's parameters (the step's update) and returns the step's report."""
-        jax.block_until_ready(nnx.state(model, nnx.Param))
-        step_s = time.perf_counter() - self.start
-        return {"rollout_s": self.rollout_s, "reward_s": self.reward_s, "update_s": step_s - self.rollout_s,
-                "step_s": step_s, "tokens": int(sum(self.lengths)), "peak_rss_mb": common.peak_rss_mb()}
+def finish_step(clock: common.StepClock, model: nnx.Module) -> dict:
+    """Waits for the model's parameters (the step's update), then the clock's report of the step."""
+    jax.block_until_ready(nnx.state(model, nnx.Param))
+    return clock.report()
 
 
 class CountingCluster(rl_cluster_lib.RLCluster):
     """RLCluster that records each response's length and checks that the sampler saw the workload's
     prompt ids unpadded and generated exactly `new_tokens` tokens per response."""
 
-    def __init__(self, *, clock: StepClock, prompt_ids: np.ndarray, new_tokens: int, **kwargs):
+    def __init__(self, *, clock: common.StepClock, prompt_ids: np.ndarray, new_tokens: int, **kwargs):
         super().__init__(**kwargs)
         self._clock = clock
         self._prompt_ids = prompt_ids
@@ -97,14 +80,14 @@ class CountingCluster(rl_cluster_lib.RLCluster):
         expected = np.repeat(self._prompt_ids, len(lengths) // len(self._prompt_ids), axis=0)
         if not np.array_equal(out.left_padded_prompt_tokens, expected):
             raise RuntimeError("the sampler's prompt tokens differ from the workload's prompt ids")
-        self._clock.lengths.extend(lengths)
+        self._clock.tokens += sum(lengths)
         return out
 
 
 class TimedGRPOLearner(grpo_learner.GRPOLearner):
     """GRPOLearner whose rollout phase (generate, reward, advantages) is timed on `clock`."""
 
-    def __init__(self, *, clock: StepClock, **kwargs):
+    def __init__(self, *, clock: common.StepClock, **kwargs):
         super().__init__(**kwargs)
         self._clock = clock
 
@@ -115,14 +98,11 @@ class TimedGRPOLearner(grpo_learner.GRPOLearner):
         return example
 
 
-def make_reward_fn(clock: StepClock):
+def make_reward_fn(clock: common.StepClock):
     """A tunix reward fn scoring completions with `common.reward` against the "answer" column."""
 
     def reward_fn(prompts, completions, answer, **kwargs):
-        t0 = time.perf_counter()
-        rewards = [common.reward(c, str(a)) for c, a in zip(completions, answer)]
-        clock.reward_s += time.perf_counter() - t0
-        return rewards
+        return clock.score(completions, answer)
 
     return reward_fn
 
@@ -138,7 +118,7 @@ def load_model(workload: dict, mesh: jax.sharding.Mesh) -> qwen2_model.Qwen2:
     return qwen2_params.create_model_from_safe_tensors(w["checkpoint"], config, mesh, dtype=jnp.float32)
 
 
-def build_learner(workload: dict, clock: StepClock) -> TimedGRPOLearner:
+def build_learner(workload: dict, clock: common.StepClock) -> TimedGRPOLearner:
     """The RL cluster (actor = rollout model on one 1x1 mesh) and the GRPO learner."""
     w = workload
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
@@ -161,7 +141,7 @@ def build_learner(workload: dict, clock: StepClock) -> TimedGRPOLearner:
                             reward_fns=make_reward_fn(clock))
 
 
-def batches(workload: dict, learner: TimedGRPOLearner, clock: StepClock):
+def batches(workload: dict, learner: TimedGRPOLearner, clock: common.StepClock):
     """Yields the prompt batch for the warm-up steps, then once per "step" command, reporting each
     timed step when tunix asks for the next batch (or when the commands end)."""
     _, texts, truths = common.prompts(workload)
@@ -173,18 +153,18 @@ def batches(workload: dict, learner: TimedGRPOLearner, clock: StepClock):
     for _ in range(WARMUP_STEPS):
         clock.begin()
         yield batch()
-    clock.end(model)
+    finish_step(clock, model)
     common.send({"ready": True, "framework": "tunix", "weights": "checkpoint", "warmup_steps": WARMUP_STEPS,
                  "weight_sync": learner.should_sync_weights, "async_rollout": learner.can_enable_async_rollout})
     for _ in common.commands():
         clock.begin()
         yield batch()
-        common.send(clock.end(model))
+        common.send(finish_step(clock, model))
 
 
 def main() -> None:
     workload = common.workload_from_argv()
-    clock = StepClock()
+    clock = common.StepClock()
     learner = build_learner(workload, clock)
     learner.train(batches(workload, learner, clock))
 
