@@ -129,6 +129,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.ppo.epochs = 1                      # passes over each batch (1 = on-policy)
     c.ppo.num_minibatches = 1             # optimizer steps per pass
     c.ppo.grad_accum = 1                  # micro-batches per optimizer step (exact token-mean)
+    c.ppo.share_prompt = True             # run each group's shared prompt through the update's forward once
 
     c.warmstart = ml_collections.ConfigDict()
     c.warmstart.steps = 400              # embedded model: supervised steps on reference answers before RL
@@ -238,7 +239,7 @@ SCHEMA: dict[str, Field] = {
     "stare.selection_scope": _choice("global", "microbatch"),
     "optim.lr": _num(0.0), "optim.b1": _num(0.0, 1.0), "optim.b2": _num(0.0, 1.0), "optim.eps": _num(0.0),
     "optim.weight_decay": _num(0.0), "optim.grad_clip": _num(0.0, None, lo_open=True), "optim.warmup_steps": _int(0),
-    "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1),
+    "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1), "ppo.share_prompt": _BOOL,
     "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
     "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1),

@@ -114,6 +114,34 @@ def test_unrolled_layers_and_explicit_matmul_gradient_match(tiny_checkpoints):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_grouped_forward_matches_the_repeated_prompt_forward(tiny_checkpoints, name, scan_layers):
+    """`grouped_hidden_states` (each prompt once, its G responses attending to it) equals
+    `hidden_states` over the batch with every prompt repeated G times, on left-padded prompts and
+    responses that end early (masked tail)."""
+    from stare_jax.models.decoder import positions_from_mask
+
+    model = from_pretrained(tiny_checkpoints[name], scan_layers=scan_layers).model
+    prompt_ids, prompt_mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 1), total=7, seed=2)
+    G, R = 3, 5
+    rs = np.random.RandomState(3)
+    response_mask = np.ones((3 * G, R), np.int64)
+    response_mask[1, 2:] = 0
+    response_mask[4, 1:] = 0
+    response_ids = np.where(response_mask > 0, rs.randint(3, hf_fixtures.VOCAB, (3 * G, R)), 0)
+    ids = np.concatenate([np.repeat(prompt_ids, G, 0), response_ids], 1)
+    mask = np.concatenate([np.repeat(prompt_mask, G, 0), response_mask], 1)
+    full, _ = model.hidden_states(ids, positions_from_mask(mask), mask)
+    prompt_h, response_h = model.grouped_hidden_states(prompt_ids, prompt_mask, response_ids, response_mask)
+    assert prompt_h.shape == (3, 7, full.shape[-1]) and response_h.shape == (3 * G, R, full.shape[-1])
+    full = np.asarray(full)
+    assert _max_diff(response_h, full[:, 7:], response_mask) <= 1e-5
+    assert _max_diff(prompt_h, full[::G, :7], prompt_mask) <= 1e-5
+    with pytest.raises(ValueError, match="groups"):
+        model.grouped_hidden_states(prompt_ids, prompt_mask, response_ids[:-1], response_mask[:-1])
+
+
 def test_sharded_forward_matches_single_device(tiny_checkpoints):
     mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
     ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(9, 5, 2, 7), seed=3)

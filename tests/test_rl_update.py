@@ -47,9 +47,10 @@ def make_config(**overrides):
 def make_batch(seed=0):
     rs = np.random.RandomState(seed)
     ids = rs.randint(3, VOCAB, (N, P_LEN + R)).astype(np.int32)
+    ids[:, :P_LEN] = np.repeat(ids[::G, :P_LEN], G, axis=0)  # the rows of a group share their prompt
     am = np.ones((N, P_LEN + R), np.int32)
-    am[0, :2] = 0  # left padding
-    am[5, :1] = 0
+    am[:G, :2] = 0  # left padding
+    am[G:, :1] = 0
     ids = np.where(am > 0, ids, 0).astype(np.int32)
     rm = np.ones((N, R), np.float32)
     rm[1, 4:] = 0  # a short response
@@ -266,3 +267,30 @@ def test_multi_epoch_minibatch_path_with_reference_kl(mesh8):
     ref_same = [np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
         jax.tree_util.tree_leaves(nnx.state(ts_new.ref_model)), jax.tree_util.tree_leaves(nnx.state(ts.ref_model)))]
     assert all(ref_same), "the reference model is frozen"
+
+
+@pytest.mark.parametrize("overrides", [{}, {"update.grad_accum": 2},
+                                       {"update.ppo_epochs": 2, "update.num_minibatches": 2, "loss.kl_type": "k3",
+                                        "loss.kl_coef": 0.1}])
+def test_shared_prompt_forward_matches_the_full_batch_forward(mesh8, overrides):
+    """update.share_prompt runs each group's prompt once (one shared prompt per G / K rows of a
+    micro-batch); metrics and updated parameters equal those of the forward over every row."""
+    results = []
+    for share in (True, False):
+        config = make_config(**overrides, **{"update.share_prompt": share})
+        ts = fresh_state(config, mesh8, ref="loss.kl_type" in overrides)
+        ts, m = make_update_step(config, mesh8, ts)(ts, parallel.shard_batch(make_batch(), mesh8), jax.random.key(0))
+        results.append(({k: float(v) for k, v in m.items()}, params_of(ts)))
+    (m_shared, p_shared), (m_full, p_full) = results
+    for k in m_full:
+        np.testing.assert_allclose(m_shared[k], m_full[k], atol=2e-6, rtol=1e-5, err_msg=k)
+    assert m_full["loss"] != 0.0 and m_full["grad_norm"] > 0.0
+    assert_trees_close(p_shared, p_full, atol=1e-6)
+
+
+def test_shared_prompt_settings_default_and_validate():
+    assert RLSettings.from_config(make_config()).share_prompt is True
+    config = make_config()
+    del config["update"]
+    config["ppo"] = {"share_prompt": False}
+    assert RLSettings.from_config(config).share_prompt is False

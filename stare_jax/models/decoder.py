@@ -172,6 +172,49 @@ class Decoder(nnx.Module):
         x, new_cache = jax.lax.scan(layer, x, (self.layers.arrays(), cache), unroll=not self.scan_layers)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
 
+    def grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
+                              response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Final-norm hidden states of B left-padded prompts [B, P] and of the N = B*G responses
+        [N, R] that answer them in groups (rows i*G .. i*G+G-1 continue prompt i).
+
+        Equals `hidden_states` of the concatenated batch [N, P + R] (each prompt repeated G times,
+        positions from the concatenated mask) but runs every prompt token once instead of G times:
+        responses attend to their group's prompt keys/values (one shared softmax over prompt and
+        response keys) and causally to their own tokens with `response_mask` 1. Returns
+        (prompt hidden [B, P, D], response hidden [N, R, D]).
+        """
+        cfg = self.config
+        B, N = prompt_ids.shape[0], response_ids.shape[0]
+        if N % B:
+            raise ValueError(f"{N} responses do not form groups of the {B} prompts")
+        G, R = N // B, response_ids.shape[1]
+        prompt_mask, response_mask = prompt_mask.astype(jnp.int32), response_mask.astype(jnp.int32)
+        prompt_pos = positions_from_mask(prompt_mask)
+        response_pos = jnp.repeat(prompt_mask.sum(-1), G)[:, None] + jnp.cumsum(response_mask, axis=-1) - 1
+        response_pos = jnp.where(response_mask > 0, response_pos, 0)
+        inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
+        rope = lambda pos: (jnp.cos(pos.astype(jnp.float32)[..., None] * inv_freq),  # noqa: E731
+                            jnp.sin(pos.astype(jnp.float32)[..., None] * inv_freq))
+        causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
+        as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
+        biases = (as_bias(causal(prompt_ids.shape[1])[None] & (prompt_mask[:, None, :] > 0))[:, None, None],
+                  as_bias(prompt_mask > 0)[:, None, None, None, None, :],                    # [B,1,1,1,1,P]
+                  as_bias(causal(R)[None] & (response_mask[:, None, :] > 0))[:, None, None])  # [N,1,1,R,R]
+        embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
+
+        def layer(carry, p):
+            if self.fused_projections:
+                p = fuse_projections(p)
+            xp, xr = _grouped_decoder_layer(cfg, self.dtype, p, *carry, rope(prompt_pos), rope(response_pos), biases)
+            return (self.constrain_batch(xp), self.constrain_batch(xr)), None
+
+        if self.remat:
+            layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+        (xp, xr), _ = jax.lax.scan(layer, (embed(prompt_ids), embed(response_ids)), self.layers.arrays(),
+                                   unroll=not self.scan_layers)
+        norm = lambda x: rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)  # noqa: E731
+        return norm(xp), norm(xr)
+
 
 @jax.custom_vjp
 def dense(h: jax.Array, w: jax.Array) -> jax.Array:
@@ -274,3 +317,35 @@ def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_i
     attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
     x = attention_residual(p, x, attn.reshape(B, T, H * hd), dtype)
     return mlp_residual(cfg, p, x, dtype), cache
+
+
+def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases):
+    """One pre-norm block over prompts xp [B, P, D] and the responses xr [N, R, D] of their groups
+    (see `Decoder.grouped_hidden_states`); `biases` = additive masks (prompt-prompt [B,1,1,P,P],
+    response-prompt [B,1,1,1,1,P], response-response [N,1,1,R,R])."""
+    B, P_len, _ = xp.shape
+    N, R, _ = xr.shape
+    G, H, K, hd = N // B, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    bias_pp, bias_rp, bias_rr = biases
+    scale = hd ** -0.5
+    qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
+    qr, kr, vr = attention_inputs(cfg, dtype, p, xr, *rope_r)
+
+    qp = qp.reshape(B, P_len, K, H // K, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qp, kp, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(scores + bias_pp, axis=-1)
+    attn_p = jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), vp, preferred_element_type=jnp.float32)
+
+    qr = qr.reshape(B, G, R, K, H // K, hd)
+    to_prompt = jnp.einsum("bntkgd,bskd->bnkgts", qr, kp, preferred_element_type=jnp.float32) * scale + bias_rp
+    to_self = jnp.einsum("ntkgd,nskd->nkgts", qr.reshape(N, R, K, H // K, hd), kr,
+                         preferred_element_type=jnp.float32) * scale + bias_rr
+    probs = jax.nn.softmax(jnp.concatenate([to_prompt.reshape(N, K, H // K, R, P_len), to_self], axis=-1), axis=-1)
+    probs = probs.astype(dtype)
+    attn_r = jnp.einsum("bnkgts,bskd->bntkgd", probs[..., :P_len].reshape(B, G, K, H // K, R, P_len), vp,
+                        preferred_element_type=jnp.float32).reshape(N, R, K, H // K, hd)
+    attn_r = attn_r + jnp.einsum("nkgts,nskd->ntkgd", probs[..., P_len:], vr, preferred_element_type=jnp.float32)
+
+    xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
+    xr = attention_residual(p, xr, attn_r.reshape(N, R, H * hd), dtype)
+    return mlp_residual(cfg, p, xp, dtype), mlp_residual(cfg, p, xr, dtype)

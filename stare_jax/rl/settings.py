@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "update.ppo_epochs": 1,
     "update.num_minibatches": 1,
     "update.grad_accum": 1,
+    "update.share_prompt": True,
     "model.vocab_chunk": 8192,
     "rollout.group_size": 8,
 }
@@ -60,6 +61,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "update.ppo_epochs": ("ppo.epochs", "ppo.ppo_epochs"),
     "update.num_minibatches": ("ppo.num_minibatches",),
     "update.grad_accum": ("ppo.grad_accum",),
+    "update.share_prompt": ("ppo.share_prompt",),
 }
 
 _MISSING = object()
@@ -163,6 +165,7 @@ class RLSettings:
     grad_accum: int = 1
     vocab_chunk: int = 8192
     group_size: int = 8
+    share_prompt: bool = True
 
     @property
     def num_updates(self) -> int:
@@ -212,7 +215,7 @@ class RLSettings:
             advantage_eps=float(g("advantage.eps")),
             ppo_epochs=int(g("update.ppo_epochs")), num_minibatches=int(g("update.num_minibatches")),
             grad_accum=int(g("update.grad_accum")), vocab_chunk=int(g("model.vocab_chunk")),
-            group_size=int(g("rollout.group_size")),
+            group_size=int(g("rollout.group_size")), share_prompt=bool(g("update.share_prompt")),
         )
         for key, value in (("update.ppo_epochs", out.ppo_epochs), ("update.num_minibatches", out.num_minibatches),
                            ("update.grad_accum", out.grad_accum), ("model.vocab_chunk", out.vocab_chunk),

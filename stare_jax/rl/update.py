@@ -31,6 +31,11 @@ per batch it also provides the old log-probs (the behaviour log-probs are then n
 Selection rules of the loss registry (forking tokens, Clip-Cov, KL-Cov) see the pre-update
 statistics of their mini-batch.
 
+Shared prompts. The G rows of a group hold the same prompt, so with `update.share_prompt` (the
+default) each forward runs a prompt once and lets its G responses attend to it
+(`Decoder.grouped_hidden_states`): the same values as the forward over every row, with the prompt
+tokens' share of the compute divided by G (by G / K per micro-batch, when K divides G).
+
 Micro-batch k of the K = num_minibatches * grad_accum micro-batches is the strided row set
 {i K + k}, so that with the batch sharded contiguously over (data, fsdp) every micro-batch is spread
 over all devices without communication. `stare.selection_scope="microbatch"` selects per
@@ -70,15 +75,27 @@ BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log
 
 
 def response_token_stats(model, input_ids, attention_mask, response_len: int, *, vocab_chunk: int,
-                         with_pi2: bool = False, temperature: float = 1.0) -> TokenStats:
+                         with_pi2: bool = False, temperature: float = 1.0, group_size: int = 1) -> TokenStats:
     """Per response token [N, R]: log pi(o_t), entropy H_t (and Q_t), from the decoder's final hidden
-    states at positions P-1 .. P+R-2 and its [D, V] output matrix, chunked over the vocabulary."""
-    L = input_ids.shape[1]
+    states at positions P-1 .. P+R-2 and its [D, V] output matrix, chunked over the vocabulary.
+
+    With `group_size` G > 1 the rows come in groups of G that share one prompt (rows i*G .. i*G+G-1
+    hold the same prompt columns), and each prompt runs through the decoder once
+    (`Decoder.grouped_hidden_states`) instead of G times.
+    """
+    N, L = input_ids.shape
     P_len = L - response_len
     if P_len < 1:
         raise ValueError("input_ids must hold at least one prompt token before the response")
-    hidden, _ = model.hidden_states(input_ids, positions_from_mask(attention_mask), attention_mask)
-    h = hidden[:, P_len - 1:L - 1]
+    if group_size > 1:
+        prompts = lambda x: x.reshape(N // group_size, group_size, L)[:, 0, :P_len]  # noqa: E731
+        prompt_hidden, response_hidden = model.grouped_hidden_states(
+            prompts(input_ids), prompts(attention_mask), input_ids[:, P_len:], attention_mask[:, P_len:])
+        last_prompt = jnp.repeat(prompt_hidden[:, -1:], group_size, axis=0, total_repeat_length=N)
+        h = jnp.concatenate([last_prompt, response_hidden[:, :-1]], axis=1)
+    else:
+        hidden, _ = model.hidden_states(input_ids, positions_from_mask(attention_mask), attention_mask)
+        h = hidden[:, P_len - 1:L - 1]
     return token_stats(h, model.output_embedding(), input_ids[:, P_len:], chunk_size=vocab_chunk,
                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
 
@@ -130,12 +147,13 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
 
 def single_pass_loss_and_grad(settings: RLSettings, model, controller: ControllerState, *, input_ids,
                               attention_mask, response_mask, old_log_probs, advantages, rng,
-                              ref_log_probs=None, selection_groups: int = 1):
+                              ref_log_probs=None, selection_groups: int = 1, prompt_groups: int = 1):
     """One forward + backward over a whole batch (the on-policy path).
 
     Returns (loss, grads, metrics, prepared) where grads is an nnx.State of the model's Params,
     `advantages` is per token [N, R] and entropy / selection / diagnostics come from the same
-    forward, stop-gradient. Pure: the model is not modified.
+    forward, stop-gradient; `prompt_groups` > 1 runs each shared prompt once (`response_token_stats`).
+    Pure: the model is not modified.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     R = response_mask.shape[1]
@@ -145,7 +163,8 @@ def single_pass_loss_and_grad(settings: RLSettings, model, controller: Controlle
 
     def loss_fn(p):
         m = nnx.merge(graphdef, p, rest)
-        stats = response_token_stats(m, input_ids, attention_mask, R, vocab_chunk=settings.vocab_chunk, with_pi2=True)
+        stats = response_token_stats(m, input_ids, attention_mask, R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
+                                     group_size=prompt_groups)
         prep = prepare_step(settings, controller, stats.log_probs, stats.entropy, stats.pi2_dev, advantages, mask,
                             selection_groups=selection_groups)
         view = ScopeView(log_probs=sg(stats.log_probs)[None], old_log_probs=old[None], advantages=advantages[None],
@@ -199,6 +218,10 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             raise ValueError(f"selection_scope='microbatch' needs N={N} divisible by micro-batches x batch shards "
                              f"= {groups}")
 
+    # Rows per shared prompt in each micro-batch: micro-batch k = rows {i K + k} holds G / K
+    # consecutive rows of every group when K divides G.
+    shared = settings.group_size // K if settings.share_prompt and settings.group_size % K == 0 else 1
+
     adv_seq = group_advantages(batch["rewards"], settings.group_size, scale=settings.advantage_scale,
                                eps=settings.advantage_eps)
     adv = jnp.broadcast_to(adv_seq[:, None], (N, R))
@@ -211,7 +234,7 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
     ref_k = None
     if settings.loss.uses_reference:
         def ref_lp(xs):
-            s = response_token_stats(ts.ref_model, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk)
+            s = response_token_stats(ts.ref_model, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, group_size=shared)
             return jax.lax.stop_gradient(s.log_probs)
         ref_k = jax.lax.map(ref_lp, (ids_k, am_k))
 
@@ -233,7 +256,7 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         loss, grads, metrics, prep = single_pass_loss_and_grad(
             settings, ts.model, controller, input_ids=ids, attention_mask=am, response_mask=mask,
             old_log_probs=behaviour, advantages=adv, rng=rng_loss,
-            ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups)
+            ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups, prompt_groups=shared)
         state, gnorm, ok = apply_grads(state, grads, loss)
         metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32)}
         all_ok = ok
@@ -242,7 +265,8 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
 
         def pre(xs):
             m = nnx.merge(graphdef_m, params0, rest0)
-            s = response_token_stats(m, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, with_pi2=True)
+            s = response_token_stats(m, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
+                                     group_size=shared)
             return jax.tree_util.tree_map(jax.lax.stop_gradient, (s.log_probs, s.entropy, s.pi2_dev))
 
         lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
@@ -260,7 +284,7 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
 
         def micro_loss(params, rest, d, view, j, key):
             m = nnx.merge(graphdef_m, params, rest)
-            stats = response_token_stats(m, d["ids"], d["am"], R, vocab_chunk=settings.vocab_chunk)
+            stats = response_token_stats(m, d["ids"], d["am"], R, vocab_chunk=settings.vocab_chunk, group_size=shared)
             ctx = LossContext(log_probs=stats.log_probs, old_log_probs=d["old"], advantages=d["adv"], mask=d["mask"],
                               entropy=stats.entropy, token_weights=d["w"], rng=key, view=view, index=j,
                               settings=settings.loss, ref_log_probs=d.get("ref"))
