@@ -9,7 +9,11 @@ alternating the two for `--repeats` timed rounds. Prints one JSON line last:
 1-minute load average before and after (PyTorch's thread pool slows down sharply when other
 processes compete for the cores, so compare figures taken on an idle machine).
 
-    python scripts/bench_rollout.py [--repeats 5] [--batch 64] [--new-tokens 64]
+    python scripts/bench_rollout.py [--repeats 5] [--batch 64] [--new-tokens 64] [--cpu-devices N]
+
+`--cpu-devices` splits the CPU into that many JAX devices (`mesh.cpu_devices`) and the rows over
+them (mesh data axis); the default is one per core, at most the prompt count and dividing it.
+`--cpu-devices 1` measures the single-device sampler.
 """
 
 from __future__ import annotations
@@ -58,11 +62,21 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8, help="responses per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     ap.add_argument("--prompt-len", type=int, default=32, help="padded prompt length")
+    ap.add_argument("--cpu-devices", type=int, default=0,
+                    help="JAX CPU devices to split the rows over (0: one per core, dividing the prompt count)")
     args = ap.parse_args()
     if args.batch % args.group_size:
         ap.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
+    num_prompts = args.batch // args.group_size
+    from stare_jax import distributed, parallel
+
+    devices = args.cpu_devices or distributed.cpu_devices_per_core(num_prompts)
+    if devices < 1 or num_prompts % devices:
+        ap.error(f"--cpu-devices {devices} must be >= 1 and divide the {num_prompts} prompts")
 
     import jax
+
+    distributed.use_cpu_devices(devices)
     import torch
     import transformers
 
@@ -72,7 +86,8 @@ def main() -> None:
     ids, mask = make_prompts(args.batch // args.group_size, args.prompt_len)
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(tmp)
-        policy = from_pretrained(tmp, load_tokenizer=False)
+        mesh = parallel.make_mesh(data=devices) if devices > 1 else None
+        policy = from_pretrained(tmp, load_tokenizer=False, mesh=mesh)
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
     def run_jax(seed: int) -> np.ndarray:
@@ -98,6 +113,7 @@ def main() -> None:
     for r in range(args.repeats):
         for name, run in (("jax", run_jax), ("torch", run_torch)) if r % 2 == 0 else (("torch", run_torch),
                                                                                       ("jax", run_jax)):
+            time.sleep(0.5)  # lets the other library's idle worker threads stop spinning first
             t0 = time.perf_counter()
             run(r + 1)
             times[name].append(time.perf_counter() - t0)

@@ -9,7 +9,9 @@ scores them with a cheap text reward and takes one optimizer step. `--large`: hi
 Every participant runs in its own process (scripts/bench_peers/*_peer.py), started and warmed up
 one after the other; then each timed round runs one step of each participant in turn, one at a
 time, with the order rotated every round, so that the machine's drift affects all of them alike.
-Medians over `--steps` rounds. The last line printed is one JSON object:
+Medians over `--steps` rounds. On CPU stare-jax splits the host into one JAX device per core
+(`mesh.cpu_devices`, `--cpu-devices`); the peers use their own defaults (TRL: torch's threads
+over all cores; Tunix: one JAX device). The last line printed is one JSON object:
 
     median_step_s, median_rollout_s, median_update_s, rollout_tokens_per_s, peak_rss_mb, shape
         stare-jax (STARE loss) figures, as in contract 9
@@ -22,7 +24,7 @@ Medians over `--steps` rounds. The last line printed is one JSON object:
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
 
     python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
-                                 [--peer-python .bench-venv/bin/python]
+                                 [--peer-python .bench-venv/bin/python] [--cpu-devices N]
 
 The peers need requirements-bench.txt in their own virtual environment (see that file).
 """
@@ -132,11 +134,19 @@ def main() -> None:
     ap.add_argument("--peer-python", default=sys.executable,
                     help="Python of the environment with requirements-bench.txt (for --peer)")
     ap.add_argument("--grpo", action="store_true", help="also run stare-jax with the plain GRPO loss (STARE overhead)")
+    ap.add_argument("--cpu-devices", type=int, default=0,
+                    help="stare-jax on CPU: JAX devices to split the host into (mesh.cpu_devices; 0: one per "
+                         "core, dividing the prompt count; 1: a single device)")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
 
     workload = dict(common.LARGE if args.large else common.DEFAULT)
+    from stare_jax.distributed import cpu_devices_per_core
+
+    workload["cpu_devices"] = args.cpu_devices or cpu_devices_per_core(workload["num_prompts"])
+    if workload["num_prompts"] % workload["cpu_devices"]:
+        ap.error(f"--cpu-devices {args.cpu_devices} must divide the {workload['num_prompts']} prompts")
     shape = {k: workload[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                       "intermediate_size", "num_prompts", "group_size", "prompt_len", "new_tokens")}
     workers: list[Worker] = []
@@ -158,6 +168,7 @@ def main() -> None:
             for r in range(args.steps):
                 order = workers[r % len(workers):] + workers[:r % len(workers)]
                 for wk in order:
+                    time.sleep(0.5)  # lets the previous worker's idle threads (OpenMP) stop spinning
                     out = wk.step()
                     print(f"[bench_step] round {r} {wk.name}: step {out['step_s']:.3f}s "
                           f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s)", file=sys.stderr,

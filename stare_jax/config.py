@@ -147,6 +147,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1                     # -1: all devices not used by the other axes
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    c.mesh.cpu_devices = 0               # CPU backend only: split the host into this many JAX devices
+                                         # (0: JAX's default, one); with data=-1 they form the data axis
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""   # "" = single process, or auto-detected on TPU pods
@@ -246,6 +248,7 @@ SCHEMA: dict[str, Field] = {
     "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.fsdp": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.tensor": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
+    "mesh.cpu_devices": _int(0),
     "distributed.coordinator_address": _STR, "distributed.num_processes": _int(1),
     "distributed.process_id": _int(0),
     "logging.tensorboard": _BOOL, "logging.wandb": _BOOL, "logging.wandb_project": _STR, "logging.progress": _BOOL,

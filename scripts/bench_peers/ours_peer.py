@@ -29,6 +29,7 @@ def bench_config(workload: dict):
     c.seed = w["seed"]
     c.model.path = w["checkpoint"]
     c.model.scan_layers = False  # unrolled layers: faster at this depth on CPU (model.scan_layers)
+    c.mesh.cpu_devices = w.get("cpu_devices", 0)  # on CPU: one JAX device per core, rows split over them
     c.data.prompt_batch_size = w["num_prompts"]
     c.data.max_prompt_len = w["prompt_len"]
     c.rollout.group_size = w["group_size"]
@@ -67,13 +68,14 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from stare_jax import parallel
+    from stare_jax import distributed, parallel
     from stare_jax.models import from_pretrained
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
     from stare_jax.trainer import collect_batch
 
     config = bench_config(workload)
+    distributed.initialize(config)  # applies mesh.cpu_devices before the first JAX operation
     mesh = parallel.mesh_from_config(config.mesh)
     policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
                              scan_layers=config.model.scan_layers)
@@ -113,7 +115,7 @@ def main() -> None:
                     timeout_s=config.reward.timeout_s) as pool:
         one_step()  # compiles the sampler and the update step
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
-                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+                     "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
                      "matmul_peak_gflops": matmul_peak_gflops()})
         for _ in common.commands():
             common.send(one_step())
