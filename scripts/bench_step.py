@@ -16,7 +16,8 @@ over all cores; Tunix: one JAX device). The last line printed is one JSON object
     median_step_s, median_rollout_s, median_update_s, rollout_tokens_per_s, peak_rss_mb, shape
         stare-jax (STARE loss) figures, as in contract 9
     update_model_tflop, update_mfu, matmul_peak_gflops
-        model FLOPs of one update step (forward + backward, 6 N_params tokens + causal attention),
+        model FLOPs of one update step (forward + backward, 6 N_params tokens + causal attention,
+        each group's shared prompt counted once),
         and their rate over median_update_s as a fraction of the measured float32 matmul peak
     participants: {name: the same per-participant medians}
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
@@ -111,17 +112,18 @@ def cpu_steal_jiffies() -> tuple[int, int]:
 
 
 def update_model_flops(w: dict) -> float:
-    """Model FLOPs of one update step over the batch: 3x the forward (forward + backward), the forward
-    being 2 FLOPs per multiply-add of every weight matmul on every token (the output projection only
-    on response tokens, where log-probs are needed) plus causal attention, 2 * 2 * S^2/2 * H * hd
-    per layer and sequence."""
+    """Model FLOPs of one update step over the batch: 3x the forward (forward + backward). The forward
+    is 2 FLOPs per multiply-add of every weight matmul on every token the step needs, each group's
+    shared prompt counted once (B prompts of P tokens, N = B G responses of R tokens; the output
+    projection only on response tokens, where log-probs are needed), plus causal attention:
+    2 * 2 * H * hd * (B P^2/2 + N (R P + R^2/2)) per layer."""
     D, F, L, H, K = w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"], w["num_kv_heads"]
     hd = D // H
-    n = w["num_prompts"] * w["group_size"]
-    S = w["prompt_len"] + w["new_tokens"]
+    B, P, R = w["num_prompts"], w["prompt_len"], w["new_tokens"]
+    n = B * w["group_size"]
     per_token = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F)
-    forward = 2 * n * S * per_token + 2 * n * w["new_tokens"] * D * w["vocab_size"] \
-        + L * n * 2 * S * S * H * hd
+    forward = 2 * (B * P + n * R) * per_token + 2 * n * R * D * w["vocab_size"] \
+        + L * 4 * H * hd * (B * P * P / 2 + n * (R * P + R * R / 2))
     return 3.0 * forward
 
 
