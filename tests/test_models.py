@@ -114,6 +114,43 @@ def test_unrolled_layers_and_explicit_matmul_gradient_match(tiny_checkpoints):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_hand_written_norm_and_bias_gradients_match_autodiff():
+    """`rms_norm` and `dense_bias` have hand-written backward passes (weight and bias gradients as
+    matmul column sums); they equal autodiff of the plain formulas, in float32 and bfloat16."""
+    import jax.numpy as jnp
+
+    from stare_jax.models.decoder import dense_bias, rms_norm
+
+    def plain_norm(x, w, eps=1e-6):
+        xf = x.astype(jnp.float32)
+        return w.astype(x.dtype) * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype)
+
+    keys = jax.random.split(jax.random.key(3), 6)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        x = (3.0 * jax.random.normal(keys[0], (4, 7, 16))).astype(dtype)
+        w = (1.0 + 0.1 * jax.random.normal(keys[1], (16,))).astype(dtype)
+        c = jax.random.normal(keys[2], (4, 7, 16)).astype(dtype)
+        np.testing.assert_array_equal(np.asarray(rms_norm(x, w, 1e-6), np.float32),
+                                      np.asarray(plain_norm(x, w), np.float32))
+        ours = jax.grad(lambda x, w: (rms_norm(x, w, 1e-6).astype(jnp.float32) * c).sum(), argnums=(0, 1))(x, w)
+        # The reference runs in float32 on the same (rounded) inputs: autodiff in bfloat16 would sum
+        # the weight gradient in bfloat16, less exactly than the float32 column sum does.
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        ref = jax.grad(lambda x, w: (plain_norm(x, w) * f32(c)).sum(), argnums=(0, 1))(f32(x), f32(w))
+        for a, b in zip(ours, ref):
+            scale = float(np.abs(np.asarray(b)).max())
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=tol, atol=tol * scale)
+
+    h = jax.random.normal(keys[3], (3, 5, 8))
+    wb = jax.random.normal(keys[4], (8, 6))
+    b = jax.random.normal(keys[5], (6,))
+    c = jax.random.normal(keys[2], (3, 5, 6))
+    ours = jax.grad(lambda h, w, b: (dense_bias(h, w, b) * c).sum(), argnums=(0, 1, 2))(h, wb, b)
+    ref = jax.grad(lambda h, w, b: ((jnp.einsum("btd,df->btf", h, w) + b) * c).sum(), argnums=(0, 1, 2))(h, wb, b)
+    for a, r in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_grouped_forward_matches_the_repeated_prompt_forward(tiny_checkpoints, name, scan_layers):

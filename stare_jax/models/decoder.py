@@ -12,6 +12,8 @@ array per tensor. The module carries no sharding: partition rules live in
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,11 +36,41 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     return jnp.where(mask > 0, jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
+def column_sum(x: jax.Array) -> jax.Array:
+    """float32 sum of x [..., F] over all leading axes, as a [1, T] @ [T, F] matmul: XLA:CPU lowers a
+    plain reduction over a long leading axis to a windowed tree reduction ~30x slower than the
+    matmul (the weight gradients of norms and biases are such sums over every token)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return jnp.dot(jnp.ones((1, x2.shape[0]), x2.dtype), x2, preferred_element_type=jnp.float32)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype."""
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32, result in x's dtype.
+
+    Gradient, with r = 1/sqrt(mean(x^2) + eps), n = x r and u = g w: dx = r (u - n mean(u n)),
+    dw = sum over tokens of g n (`column_sum`)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def _rms_norm_fwd(x, weight, eps):
+    return rms_norm(x, weight, eps), (x, weight)
+
+
+def _rms_norm_bwd(eps, res, g):
+    x, weight = res
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    n = xf * r
+    gf = g.astype(jnp.float32)
+    u = gf * weight.astype(jnp.float32)
+    dx = r * (u - n * jnp.mean(u * n, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), column_sum(gf * n).astype(weight.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -243,11 +275,28 @@ def _dense_bwd(res, g):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
+@jax.custom_vjp
+def dense_bias(h: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """`dense(h, w) + b` in float32; the bias gradient is a `column_sum` of the cotangent."""
+    return dense(h, w) + b.astype(jnp.float32)
+
+
+def _dense_bias_fwd(h, w, b):
+    return dense_bias(h, w, b), (h, w, b)
+
+
+def _dense_bias_bwd(res, g):
+    h, w, b = res
+    dh, dw = _dense_bwd((h, w), g)
+    return dh, dw, column_sum(g).astype(b.dtype)
+
+
+dense_bias.defvjp(_dense_bias_fwd, _dense_bias_bwd)
+
+
 def project(h: jax.Array, w: jax.Array, b: jax.Array | None, dtype) -> jax.Array:
     """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype`."""
-    y = dense(h, w.astype(dtype))
-    if b is not None:
-        y = y + b.astype(jnp.float32)
+    y = dense(h, w.astype(dtype)) if b is None else dense_bias(h, w.astype(dtype), b)
     return y.astype(dtype)
 
 
