@@ -30,6 +30,8 @@ def _load(capsys, *overrides):
     ("--config.stare.variant=O3", "stare.variant"),
     ("--config.model.dtype=float16", "model.dtype"),
     ("--config.ppo.num_minibatches=3", "ppo.num_minibatches"),  # does not divide the batch
+    ("--config.mesh.cpu_devices=-1", "mesh.cpu_devices"),
+    ("--config.ppo.share_prompt=maybe", "ppo.share_prompt"),
 ])
 def test_bad_config_exits_2_naming_the_key(capsys, override, key):
     code, err = _load(capsys, override)
@@ -94,3 +96,22 @@ def test_overrides_are_applied_not_silently_dropped():
     c = config_lib.load_config_or_exit(["train", "--config", QUICKSTART, "--config.stare.w=2.5",
                                         "--config.loss.name=grpo", "--config.stare.enabled=False"])
     assert c.stare.w == 2.5 and c.loss.name == "grpo" and c.stare.enabled is False
+
+
+def test_cli_cpu_devices_split_the_host_before_jax_starts(tmp_path):
+    """mesh.cpu_devices=5 gives the run 5 CPU devices (here: a batch of 16 x 8 rows that 5 batch
+    shards cannot split, refused with exit 2), whatever the XLA flag says."""
+    r = _cli("--workdir", str(tmp_path / "w"), "--config.mesh.cpu_devices=5", devices=1)
+    assert r.returncode == 2, r.stderr
+    assert "5 batch shards" in r.stderr.strip().splitlines()[-1]
+
+
+def test_cpu_devices_after_jax_started_is_refused_unless_it_matches():
+    import jax
+
+    from stare_jax import distributed
+
+    n = len(jax.devices("cpu"))
+    distributed.use_cpu_devices(n)  # already what the backend has: nothing to do
+    with pytest.raises(RuntimeError, match="mesh.cpu_devices"):
+        distributed.use_cpu_devices(n + 1)
