@@ -249,6 +249,23 @@ def test_sharded_rollout_equals_single_device(tiny_checkpoints, policies):
         generate(sharded, ids, mask, rng=jax.random.key(0), group_size=3, max_new_tokens=2, eos_ids=())
 
 
+def test_no_eos_fixed_trip_loop_equals_the_early_stop_loop(tiny_checkpoints, policies):
+    """Without EOS ids the decode loop runs a fixed number of steps (no all-rows-done check, which
+    on a mesh is a cross-device reduction per token); it samples what the early-stop loop samples
+    when the EOS id never comes up, on one device and sharded."""
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3), total=7)
+    mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = from_pretrained(tiny_checkpoints["qwen2"], mesh=mesh, load_tokenizer=False)
+    for policy in (policies["qwen2"], sharded):
+        kw = dict(rng=jax.random.key(4), group_size=4, max_new_tokens=9, temperature=1.0)
+        free = generate(policy, ids, mask, eos_ids=(), **kw)
+        unused = next(t for t in range(3, hf_fixtures.VOCAB) if t not in np.asarray(free.response_ids))
+        stoppable = generate(policy, ids, mask, eos_ids=(unused,), **kw)
+        assert np.asarray(free.truncated).all() and np.asarray(free.response_mask).all()
+        np.testing.assert_array_equal(np.asarray(free.response_ids), np.asarray(stoppable.response_ids))
+        np.testing.assert_array_equal(np.asarray(free.log_probs), np.asarray(stoppable.log_probs))
+
+
 # Early stop, masks and compilation reuse.
 def test_every_row_stops_at_first_token(policies):
     ids, mask = prompts()

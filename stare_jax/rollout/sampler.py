@@ -211,6 +211,8 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
 
         def keep_going(c, end=end):
             t, _, _, (done, *_) = c
+            if not spec.eos_ids:  # nothing can stop a row early: a fixed trip count, no global all(done)
+                return (t < R) & (t <= end)
             return (t < R) & (t <= end) & ~jnp.all(done)
 
         def step(c, start=start):
