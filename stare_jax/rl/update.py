@@ -31,7 +31,7 @@ per batch it also provides the old log-probs (the behaviour log-probs are then n
 Selection rules of the loss registry (forking tokens, Clip-Cov, KL-Cov) see the pre-update
 statistics of their mini-batch.
 
-Shared prompts. The G rows of a group hold the same prompt, so with `update.share_prompt` (the
+Shared prompts. The G rows of a group hold the same prompt, so with `ppo.share_prompt` (the
 default) each forward runs a prompt once and lets its G responses attend to it
 (`Decoder.grouped_hidden_states`): the same values as the forward over every row, with the prompt
 tokens' share of the compute divided by G (by G / K per micro-batch, when K divides G).
