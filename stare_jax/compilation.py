@@ -29,11 +29,6 @@ def _listener(event: str, duration_secs: float, **kwargs) -> None:
             _total += 1
 
 
-def total_compilations() -> int:
-    """Backend compilations in this process since the first `CompilationCounter` was made."""
-    return _total
-
-
 class CompilationCounter:
     """Counts XLA backend compilations (cache misses of every `jax.jit`) between `take()` calls."""
 

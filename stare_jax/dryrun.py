@@ -113,8 +113,10 @@ def force_cpu_devices(n: int, dump_dir: str | None = None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
+    from stare_jax.distributed import use_cpu_devices
+
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", n)
+    use_cpu_devices(n)
 
 
 def load_config(config_path: str, overrides: Sequence[str], num_devices: int):

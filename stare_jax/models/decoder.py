@@ -73,6 +73,12 @@ def _rms_norm_bwd(eps, res, g):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
+def rope_angles(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., hd/2] (float32) of the rotary angles position * inv_freq_i."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inverse_frequencies(cfg))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates pairs (x_i, x_{i+d/2}) by the angle position * inv_freq_i ("rotate half" layout).
 
@@ -181,9 +187,7 @@ class Decoder(nnx.Module):
         """
         cfg = self.config
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
-        inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))  # a compile-time constant
-        angles = positions.astype(jnp.float32)[..., None] * inv_freq
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rope_angles(cfg, positions)
         T = input_ids.shape[1]
         key_len = T if cache is None else cache[0].shape[2]
         q_index = cache_index + jnp.arange(T)
@@ -224,9 +228,6 @@ class Decoder(nnx.Module):
         prompt_pos = positions_from_mask(prompt_mask)
         response_pos = jnp.repeat(prompt_mask.sum(-1), G)[:, None] + jnp.cumsum(response_mask, axis=-1) - 1
         response_pos = jnp.where(response_mask > 0, response_pos, 0)
-        inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
-        rope = lambda pos: (jnp.cos(pos.astype(jnp.float32)[..., None] * inv_freq),  # noqa: E731
-                            jnp.sin(pos.astype(jnp.float32)[..., None] * inv_freq))
         causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
         as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
         biases = (as_bias(causal(prompt_ids.shape[1])[None] & (prompt_mask[:, None, :] > 0))[:, None, None],
@@ -237,7 +238,8 @@ class Decoder(nnx.Module):
         def layer(carry, p):
             if self.fused_projections:
                 p = fuse_projections(p)
-            xp, xr = _grouped_decoder_layer(cfg, self.dtype, p, *carry, rope(prompt_pos), rope(response_pos), biases)
+            xp, xr = _grouped_decoder_layer(cfg, self.dtype, p, *carry, rope_angles(cfg, prompt_pos),
+                                            rope_angles(cfg, response_pos), biases)
             return (self.constrain_batch(xp), self.constrain_batch(xr)), None
 
         if self.remat:
@@ -354,18 +356,25 @@ def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
 def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_index):
     """One pre-norm block; returns the new residual stream and this layer's updated (k, v) cache."""
     B, T, _ = x.shape
-    H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    H, hd = cfg.num_heads, cfg.head_dim
     q, k, v = attention_inputs(cfg, dtype, p, x, cos, sin)
     if cache is not None:
         k_cache = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, cache_index, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, cache_index, 0, 0))
         k, v, cache = k_cache, v_cache, (k_cache, v_cache)
+    x = attention_residual(p, x, _attend(q, k, v, bias, dtype).reshape(B, T, H * hd), dtype)
+    return mlp_residual(cfg, p, x, dtype), cache
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype) -> jax.Array:
+    """Grouped-query attention softmax(q k^T / sqrt(hd) + bias) v, float32 [B, T, K, H/K, hd];
+    q [B, T, H, hd], k, v [B, S, K, hd], bias [B, 1, 1, T, S]."""
+    B, T, H, hd = q.shape
+    K = k.shape[2]
     q = q.reshape(B, T, K, H // K, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (hd ** -0.5)
     probs = jax.nn.softmax(scores + bias, axis=-1)
-    attn = jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
-    x = attention_residual(p, x, attn.reshape(B, T, H * hd), dtype)
-    return mlp_residual(cfg, p, x, dtype), cache
+    return jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
 
 
 def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases):
@@ -380,10 +389,7 @@ def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, b
     qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
     qr, kr, vr = attention_inputs(cfg, dtype, p, xr, *rope_r)
 
-    qp = qp.reshape(B, P_len, K, H // K, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qp, kp, preferred_element_type=jnp.float32) * scale
-    probs = jax.nn.softmax(scores + bias_pp, axis=-1)
-    attn_p = jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), vp, preferred_element_type=jnp.float32)
+    attn_p = _attend(qp, kp, vp, bias_pp, dtype)
 
     qr = qr.reshape(B, G, R, K, H // K, hd)
     to_prompt = jnp.einsum("bntkgd,bskd->bnkgts", qr, kp, preferred_element_type=jnp.float32) * scale + bias_rp

@@ -29,9 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from stare_jax.models.config import rope_inverse_frequencies
 from stare_jax.models.decoder import (Decoder, attention_inputs, attention_residual, fuse_projections, mlp_residual,
-                                      rms_norm)
+                                      rms_norm, rope_angles)
 
 _MASK_VALUE = -1e30  # as in the decoder: finite, so fully masked rows stay finite
 
@@ -83,8 +82,7 @@ def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: Prom
     """
     cfg, dtype = model.config, model.dtype
     x = jnp.take(model.embed[...], tokens, axis=0).astype(dtype)                      # [N, D]
-    angles = positions.astype(jnp.float32)[:, None, None] * jnp.asarray(rope_inverse_frequencies(cfg))
-    cos, sin = jnp.cos(angles), jnp.sin(angles)                                        # [N, 1, hd/2]
+    cos, sin = rope_angles(cfg, positions[:, None])                                    # [N, 1, hd/2]
     length = response[0][1].shape[2]
     response_bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
     new_response = []
