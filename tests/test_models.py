@@ -114,6 +114,23 @@ def test_unrolled_layers_and_explicit_matmul_gradient_match(tiny_checkpoints):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_rope_table_rows_equal_the_direct_angles(tiny_checkpoints):
+    """`rope_angles` read from a `rope_table` gives bitwise the angles computed from the positions
+    (the table is an optimisation), under jit, for each family's RoPE scaling."""
+    import jax.numpy as jnp
+
+    from stare_jax.models.decoder import rope_angles, rope_table
+
+    positions = jnp.asarray(np.random.RandomState(0).randint(0, 40, (3, 7)), jnp.int32)
+    for name in ("llama", "qwen2", "qwen3"):
+        cfg = from_pretrained(tiny_checkpoints[name], load_tokenizer=False).model.config
+        direct = jax.jit(lambda p: rope_angles(cfg, p))(positions)
+        looked_up = jax.jit(lambda p: rope_angles(cfg, p, rope_table(cfg, 40)))(positions)
+        for a, b in zip(direct, looked_up):
+            assert a.shape == (3, 7, cfg.head_dim // 2)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_hand_written_norm_and_bias_gradients_match_autodiff():
     """`rms_norm` and `dense_bias` have hand-written backward passes (weight and bias gradients as
     matmul column sums); they equal autodiff of the plain formulas, in float32 and bfloat16."""

@@ -73,10 +73,23 @@ def _rms_norm_bwd(eps, res, g):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rope_angles(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [..., hd/2] (float32) of the rotary angles position * inv_freq_i."""
+def rope_angles(cfg: ModelConfig, positions: jax.Array, table: tuple[jax.Array, jax.Array] | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [..., hd/2] (float32) of the rotary angles position * inv_freq_i.
+
+    With `table` (`rope_table(cfg, n)`, every position below n) they are its rows at `positions`:
+    the same values, read instead of recomputed. XLA:CPU fuses cos/sin into each consumer, so
+    without a table every head of every layer re-evaluates them per element.
+    """
+    if table is not None:
+        return tuple(jnp.take(t, positions, axis=0, mode="clip") for t in table)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inverse_frequencies(cfg))
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_table(cfg: ModelConfig, length: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [length, hd/2] (float32) of the rotary angles of positions 0 .. length-1."""
+    return rope_angles(cfg, jnp.arange(length, dtype=jnp.int32))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -234,12 +247,13 @@ class Decoder(nnx.Module):
                   as_bias(prompt_mask > 0)[:, None, None, None, None, :],                    # [B,1,1,1,1,P]
                   as_bias(causal(R)[None] & (response_mask[:, None, :] > 0))[:, None, None])  # [N,1,1,R,R]
         embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
+        table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
+        rope_p, rope_r = rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table)
 
         def layer(carry, p):
             if self.fused_projections:
                 p = fuse_projections(p)
-            xp, xr = _grouped_decoder_layer(cfg, self.dtype, p, *carry, rope_angles(cfg, prompt_pos),
-                                            rope_angles(cfg, response_pos), biases)
+            xp, xr = _grouped_decoder_layer(cfg, self.dtype, p, *carry, rope_p, rope_r, biases)
             return (self.constrain_batch(xp), self.constrain_batch(xr)), None
 
         if self.remat:

@@ -72,17 +72,18 @@ def layer_params(model: Decoder) -> list[dict[str, jax.Array]]:
 
 def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
                 response: list[LayerKV], tokens: jax.Array, positions: jax.Array,
-                slot, past: list[list[LayerKV]] | None = None) -> tuple[jax.Array, list[LayerKV]]:
+                slot, past: list[list[LayerKV]] | None = None, rope: tuple[jax.Array, jax.Array] | None = None
+                ) -> tuple[jax.Array, list[LayerKV]]:
     """Logits [N, V] (float32) for one new token per row, and the response block holding its keys.
 
     tokens, positions: [N] (RoPE position of each new token). The new key/value goes into slot
     `slot` of the current response block (`response`, per layer); the token attends to its
     prompt, to every slot of the earlier, full blocks `past[layer]` and to slots 0..slot of
-    the current block.
+    the current block. `rope`: a `rope_table` covering every position (read, not recomputed).
     """
     cfg, dtype = model.config, model.dtype
     x = jnp.take(model.embed[...], tokens, axis=0).astype(dtype)                      # [N, D]
-    cos, sin = rope_angles(cfg, positions[:, None])                                    # [N, 1, hd/2]
+    cos, sin = rope_angles(cfg, positions[:, None], rope)                                 # [N, 1, hd/2]
     length = response[0][1].shape[2]
     response_bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
     new_response = []

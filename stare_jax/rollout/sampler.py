@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
-from stare_jax.models.decoder import Decoder, positions_from_mask
+from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout.decode import decode_step, empty_response_cache, layer_params, prompt_cache
 from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs
 
@@ -182,6 +182,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     prompt_mask = rows(repeat(prompt_mask))
     prompt_lengths = prompt_mask.sum(axis=1)
     layers = layer_params(model)
+    rope = rope_table(model.config, prompt_len + R)  # built once, outside the decode loops
 
     uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
         jax.random.uniform(rng, (R, N), jnp.float32))
@@ -219,7 +220,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
             """Feeds token t-1 (slot t-1 of the response, t-1-start of this block) and records token t."""
             t, block, token, outputs = c
             logits, block = decode_step(model, layers, prompt, block, token, prompt_lengths + t - 1, t - 1 - start,
-                                        past=past)
+                                        past=past, rope=rope)
             outputs, token = record(outputs, t, logits)
             return t + 1, block, token, outputs
 
