@@ -21,7 +21,10 @@ over all cores; Tunix: one JAX device). The last line printed is one JSON object
         and their rate over median_update_s as a fraction of the measured float32 matmul peak
     participants: {name: the same per-participant medians}
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
-    stare_overhead: stare-jax STARE median_step_s / GRPO median_step_s - 1   (with --grpo)
+    stare_update_overhead, stare_overhead, grpo_median_update_s   (with --grpo)
+        the stare-jax worker also times a plain-GRPO update step on the same batch in the same
+        process, alternating which runs first: medians over rounds of STARE update / GRPO update - 1,
+        and of (STARE update - GRPO update) / STARE step (the rollout does not depend on the loss)
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
 
     python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
@@ -135,7 +138,8 @@ def main() -> None:
                     help="also run this peer (repeatable)")
     ap.add_argument("--peer-python", default=sys.executable,
                     help="Python of the environment with requirements-bench.txt (for --peer)")
-    ap.add_argument("--grpo", action="store_true", help="also run stare-jax with the plain GRPO loss (STARE overhead)")
+    ap.add_argument("--grpo", action="store_true",
+                    help="also time stare-jax's plain-GRPO update on the same batches (STARE overhead)")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="stare-jax on CPU: JAX devices to split the host into (mesh.cpu_devices; 0: one per "
                          "core, dividing the prompt count; 1: a single device)")
@@ -157,9 +161,7 @@ def main() -> None:
         subprocess.run([sys.executable, os.path.join(PEERS, "checkpoint.py"), ckpt] + (["--large"] if args.large else []),
                        check=True, stdout=subprocess.DEVNULL)
         workload["checkpoint"] = ckpt
-        plan = [("stare-jax", "ours_peer.py", sys.executable, dict(workload, loss="stare"))]
-        if args.grpo:
-            plan.append(("stare-jax-grpo", "ours_peer.py", sys.executable, dict(workload, loss="grpo")))
+        plan = [("stare-jax", "ours_peer.py", sys.executable, dict(workload, loss="stare", paired_grpo=args.grpo))]
         plan += [(p, f"{p}_peer.py", args.peer_python, dict(workload, loss="grpo")) for p in args.peer]
         try:
             for name, script, python, w in plan:  # warm-up one at a time
@@ -196,9 +198,12 @@ def main() -> None:
     if args.peer:
         result["speedup"] = {p: round(summaries[p]["median_step_s"] / ours["median_step_s"], 2) for p in args.peer}
     if args.grpo:
-        result["stare_overhead"] = round(ours["median_step_s"] / summaries["stare-jax-grpo"]["median_step_s"] - 1, 4)
-        result["stare_update_overhead"] = round(
-            ours["median_update_s"] / summaries["stare-jax-grpo"]["median_update_s"] - 1, 4)
+        steps = workers[0].steps
+        result["grpo_median_update_s"] = round(statistics.median(s["grpo_update_s"] for s in steps), 4)
+        result["stare_update_overhead"] = round(statistics.median(s["update_s"] / s["grpo_update_s"] - 1
+                                                                  for s in steps), 4)
+        result["stare_overhead"] = round(statistics.median((s["update_s"] - s["grpo_update_s"]) / s["step_s"]
+                                                           for s in steps), 4)
     print(json.dumps(result))
 
 

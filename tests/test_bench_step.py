@@ -9,7 +9,7 @@ from tests.e2e_helpers import ROOT, subprocess_env
 
 
 def test_bench_step_prints_contract_keys_and_checks_its_workload():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "2"],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "2", "--grpo"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -22,3 +22,6 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     assert ours["steps"] == 2 and ours["loss"] == "stare"
     assert 0 < out["update_mfu"] < 1
     assert out["median_step_s"] >= out["median_update_s"]
+    # --grpo: the plain-GRPO update is timed on the same batches in the same worker.
+    assert out["grpo_median_update_s"] > 0
+    assert -1 < out["stare_update_overhead"] < 10 and abs(out["stare_overhead"]) < 10

@@ -4,7 +4,12 @@ Rollout and reward are `stare_jax.trainer.collect_batch` (the jitted KV-cache sa
 isolated reward pool), the update is `stare_jax.rl.make_update_step` (one jitted forward + backward +
 AdamW with STARE weights inside), exactly as `stare_jax.train` runs them. The workload's `loss`
 ("stare" or "grpo") picks the loss registry entry; STARE runs the quickstart's adaptive C2 setting
-(controller update included), the most expensive variant. See common.py for the protocol.
+(controller update included), the most expensive variant.
+
+With `paired_grpo` in the workload the worker also keeps a second train state with the plain GRPO
+loss and times its update on the same batch right after (every other step: right before) the
+STARE update, reporting it as `grpo_update_s`: STARE's overhead without the noise between
+processes. See common.py for the protocol.
 """
 
 from __future__ import annotations
@@ -90,8 +95,23 @@ def main() -> None:
     data_iter = batches()
     train_state = create_train_state(policy.model, config, mesh=mesh)
     update = make_update_step(config, mesh, train_state)
+    paired = None
+    if workload.get("paired_grpo"):
+        # A second train state (its own copy of the weights: updates donate their buffers) and the
+        # plain GRPO update step, timed on the same batches in the same process.
+        grpo_config = bench_config(dict(workload, loss="grpo"))
+        grpo_policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
+                                      scan_layers=config.model.scan_layers)
+        grpo_state = create_train_state(grpo_policy.model, grpo_config, mesh=mesh)
+        paired = [grpo_state, make_update_step(grpo_config, mesh, grpo_state)]
     base_key = jax.random.key(config.seed)
     step = 0
+
+    def timed_update(state, step_fn, batch, key):
+        t0 = time.perf_counter()
+        state, out = step_fn(state, batch, key)
+        jax.block_until_ready(out)
+        return state, out, time.perf_counter() - t0
 
     def one_step() -> dict:
         nonlocal train_state, step
@@ -100,16 +120,24 @@ def main() -> None:
         batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
                                        jax.random.fold_in(key, 0), eos_ids=(), pad_id=common.PAD_ID, mesh=mesh)
         t1 = time.perf_counter()
-        train_state, out = update(train_state, parallel.shard_batch(batch, mesh), jax.random.fold_in(key, 1))
-        jax.block_until_ready(out)
-        t2 = time.perf_counter()
+        sharded = parallel.shard_batch(batch, mesh)
+        grpo_first = paired is not None and step % 2 == 1  # alternate which update runs first
+        if grpo_first:
+            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1))
+        train_state, out, update_s = timed_update(train_state, update, sharded, jax.random.fold_in(key, 1))
+        if paired is not None and not grpo_first:
+            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1))
         step += 1
         tokens = int(batch["response_mask"].sum())
         expected = workload["num_prompts"] * workload["group_size"] * workload["new_tokens"]
         if tokens != expected:
             raise RuntimeError(f"generated {tokens} tokens, expected {expected}")
-        return {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": t2 - t1, "step_s": t2 - t0,
-                "tokens": tokens, "loss": float(out["loss"]), "peak_rss_mb": common.peak_rss_mb()}
+        result = {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": update_s,
+                  "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
+                  "peak_rss_mb": common.peak_rss_mb()}
+        if paired is not None:
+            result["grpo_update_s"] = grpo_s
+        return result
 
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
