@@ -134,6 +134,17 @@ class Checkpointer:
             return step, restored["state"], restored["data"], restored["meta"]
         return None
 
+    def restore_model(self, step: int, abstract_model_state):
+        """The policy parameters alone of checkpoint `step`: the `model` subtree of its train state,
+        read with Orbax's partial restore onto `abstract_model_state` (a pytree of
+        `jax.ShapeDtypeStruct` with shardings). The optimizer moments and the reference model are
+        never read, so evaluation and export need the parameters' memory once, not the whole
+        train state's."""
+        target = {"train": {"model": abstract_model_state}}
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+        return restored["state"]["train"]["model"]
+
     def check_compatible(self, config) -> None:
         """Raises IncompatibleCheckpointError when the latest checkpoint's config differs from `config`
         in a key that changes what the saved state means."""

@@ -378,35 +378,31 @@ def config_from_json(flat: dict):
 
 def load_trained_policy(workdir: str, *, config=None, step: int | None = None, mesh=None):
     """(config, policy, step) of a workdir's latest (or given) complete checkpoint, restored onto `mesh`
-    (default: one device). The config is the one the run saved unless `config` is given."""
+    (default: one device). The config is the one the run saved unless `config` is given. Only the
+    policy parameters are read from the checkpoint (`Checkpointer.restore_model`), onto the
+    structure and shardings of the run's base model."""
     from flax import nnx
-
-    from stare_jax.rl import abstract_train_state, create_train_state
 
     workdir = os.path.abspath(workdir)
     ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
-    steps = [s for s in ckpt.steps() if ckpt.is_complete(s)]
-    if not steps:
-        raise FileNotFoundError(f"{workdir}/checkpoints holds no complete checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise FileNotFoundError(f"{workdir}/checkpoints has no complete step {step}; complete steps: {steps}")
-    saved = config_from_json(ckpt.read_meta(step)["config"])
-    config = saved if config is None else config
-    mesh = mesh if mesh is not None else parallel.make_mesh(devices=jax.devices()[:1])
-    kw = dict(dtype=saved.model.dtype, param_dtype=saved.model.param_dtype, mesh=mesh)
-    path = saved.model.path or os.path.join(workdir, "model")
-    policy = from_pretrained(path, **kw)
-    ref = from_pretrained(path, **kw).model if saved.loss.kl_type != "none" else None
-    train_state = create_train_state(policy.model, saved, mesh=mesh, ref_model=ref)
-    import orbax.checkpoint as ocp
-
-    target = {"train": abstract_train_state(train_state, mesh),
-              "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))}
-    restored = ckpt._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-    nnx.update(train_state, restored["state"]["train"])
-    ckpt.close()
-    return config, Policy(model=train_state.model, config=policy.config, tokenizer=policy.tokenizer, mesh=mesh), step
+    try:
+        steps = [s for s in ckpt.steps() if ckpt.is_complete(s)]
+        if not steps:
+            raise FileNotFoundError(f"{workdir}/checkpoints holds no complete checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(f"{workdir}/checkpoints has no complete step {step}; complete steps: {steps}")
+        saved = config_from_json(ckpt.read_meta(step)["config"])
+        config = saved if config is None else config
+        mesh = mesh if mesh is not None else parallel.make_mesh(devices=jax.devices()[:1])
+        path = saved.model.path or os.path.join(workdir, "model")
+        policy = from_pretrained(path, dtype=saved.model.dtype, param_dtype=saved.model.param_dtype, mesh=mesh)
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                          nnx.state(policy.model))
+        nnx.update(policy.model, ckpt.restore_model(step, abstract))
+    finally:
+        ckpt.close()
+    return config, policy, step
 
 
 def _barrier(name: str) -> None:

@@ -203,6 +203,40 @@ def test_export_loads_in_transformers_with_matching_logits(reference_run, tmp_pa
     assert np.abs(ours - ref)[mask > 0].max() <= 1e-4
 
 
+def test_trained_policy_reads_only_the_parameters_and_equals_the_full_train_state(reference_run):
+    """`load_trained_policy` (evaluate, export) partially restores the `model` subtree; it must equal
+    the parameters of a full train-state restore, which differ from the base weights after training."""
+    import jax
+    from flax import nnx
+
+    from stare_jax import parallel, trainer
+    from stare_jax.models import from_pretrained
+    from stare_jax.rl import abstract_train_state, create_train_state
+
+    workdir, _ = reference_run
+    config, policy, step = trainer.load_trained_policy(workdir)
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    path = config.model.path or os.path.join(workdir, "model")
+    assert config.loss.kl_type == "none"  # no reference model in the saved train state
+    base = from_pretrained(path, mesh=mesh)
+    full_state = create_train_state(from_pretrained(path, mesh=mesh).model, config, mesh=mesh)
+    ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
+    try:
+        restored_step, state, _, _ = ckpt.restore_latest(
+            {"train": abstract_train_state(full_state, mesh),
+             "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))})
+    finally:
+        ckpt.close()
+    nnx.update(full_state, state["train"])
+    assert restored_step == step  # the latest step (other tests may extend this run)
+    leaves = lambda m: [np.asarray(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]  # noqa: E731
+    changed = 0
+    for ours, full, before in zip(leaves(policy.model), leaves(full_state.model), leaves(base.model)):
+        np.testing.assert_array_equal(ours, full)
+        changed += int(not np.array_equal(ours, before))
+    assert changed > 0
+
+
 def test_evaluate_writes_avg_and_pass_at_k_matching_hand_computation(reference_run, tmp_path):
     workdir, _ = reference_run
     r = subprocess.run([sys.executable, "-m", "stare_jax.evaluate", "--config", QUICKSTART, "--workdir", workdir,
