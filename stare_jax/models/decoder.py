@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
+from stare_jax.models.attention import grouped_response_attention
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
@@ -244,8 +245,8 @@ class Decoder(nnx.Module):
         causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
         as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
         biases = (as_bias(causal(prompt_ids.shape[1])[None] & (prompt_mask[:, None, :] > 0))[:, None, None],
-                  as_bias(prompt_mask > 0)[:, None, None, None, None, :],                    # [B,1,1,1,1,P]
-                  as_bias(causal(R)[None] & (response_mask[:, None, :] > 0))[:, None, None])  # [N,1,1,R,R]
+                  as_bias(prompt_mask > 0),                                       # [B, P]
+                  as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))     # [N, R, R]
         embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
         rope_p, rope_r = rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table)
@@ -394,26 +395,16 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype) ->
 def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases):
     """One pre-norm block over prompts xp [B, P, D] and the responses xr [N, R, D] of their groups
     (see `Decoder.grouped_hidden_states`); `biases` = additive masks (prompt-prompt [B,1,1,P,P],
-    response-prompt [B,1,1,1,1,P], response-response [N,1,1,R,R])."""
+    response-prompt [B, P], response-response [N, R, R]). The responses' attention is
+    `grouped_response_attention` (blockwise causal, hand-written backward)."""
     B, P_len, _ = xp.shape
     N, R, _ = xr.shape
-    G, H, K, hd = N // B, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    H, hd = cfg.num_heads, cfg.head_dim
     bias_pp, bias_rp, bias_rr = biases
-    scale = hd ** -0.5
     qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
     qr, kr, vr = attention_inputs(cfg, dtype, p, xr, *rope_r)
-
     attn_p = _attend(qp, kp, vp, bias_pp, dtype)
-
-    qr = qr.reshape(B, G, R, K, H // K, hd)
-    to_prompt = jnp.einsum("bntkgd,bskd->bnkgts", qr, kp, preferred_element_type=jnp.float32) * scale + bias_rp
-    to_self = jnp.einsum("ntkgd,nskd->nkgts", qr.reshape(N, R, K, H // K, hd), kr,
-                         preferred_element_type=jnp.float32) * scale + bias_rr
-    probs = jax.nn.softmax(jnp.concatenate([to_prompt.reshape(N, K, H // K, R, P_len), to_self], axis=-1), axis=-1)
-    probs = probs.astype(dtype)
-    attn_r = jnp.einsum("bnkgts,bskd->bntkgd", probs[..., :P_len].reshape(B, G, K, H // K, R, P_len), vp,
-                        preferred_element_type=jnp.float32).reshape(N, R, K, H // K, hd)
-    attn_r = attn_r + jnp.einsum("nkgts,nskd->ntkgd", probs[..., P_len:], vr, preferred_element_type=jnp.float32)
+    attn_r = grouped_response_attention(qr, kp, vp, kr, vr, bias_rp, bias_rr)
 
     xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
     xr = attention_residual(p, xr, attn_r.reshape(N, R, H * hd), dtype)
