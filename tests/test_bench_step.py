@@ -25,3 +25,13 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     # --grpo: the plain-GRPO update is timed on the same batches in the same worker.
     assert out["grpo_median_update_s"] > 0
     assert -1 < out["stare_update_overhead"] < 10 and abs(out["stare_overhead"]) < 10
+
+
+def test_bench_stare_overhead_times_both_updates_in_one_process():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_stare_overhead.py"), "--rounds", "1"],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["rounds"] == 1 and out["shape"] == {"hidden_size": 256, "num_layers": 4, "new_tokens": 64}
+    assert out["stare_update_s"] > 0 and out["grpo_update_s"] > 0 and out["rollout_s"] > 0
+    assert abs(out["step_overhead"]) < 1 and -1 < out["update_overhead"] < 10

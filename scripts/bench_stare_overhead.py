@@ -1,0 +1,126 @@
+"""STARE's cost over plain GRPO, measured in one process: the two update steps alternate on one batch.
+
+The rollout does not depend on the loss, so STARE's overhead is the difference of the update steps.
+This script builds both (the bench workload's config with `loss.name` "stare" — adaptive C2, the
+most expensive variant — and "grpo"), each on its own copy of the weights, feeds them the same
+sampled batch, and alternates them for `--rounds` rounds (the order flips every round). Timing
+them side by side in one process cancels most of the machine's drift, which dominates when the
+two run in separate processes a few percent apart. Prints one JSON line:
+
+    stare_update_s, grpo_update_s, rollout_s          medians (seconds)
+    update_overhead     median over rounds of stare / grpo - 1 (wall time)
+    update_cpu_overhead the same from process CPU time (immune to time stolen by a VM's host)
+    step_overhead       (median stare - median grpo) / (rollout + median stare)
+
+    python scripts/bench_stare_overhead.py [--large] [--rounds 15] [--cpu-devices N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "bench_peers"))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import common  # noqa: E402
+import ours_peer  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
+    ap.add_argument("--rounds", type=int, default=15, help="timed rounds (one update of each loss per round)")
+    ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    from stare_jax.distributed import cpu_devices_per_core
+
+    workload = dict(common.LARGE if args.large else common.DEFAULT)
+    workload["cpu_devices"] = args.cpu_devices or cpu_devices_per_core(workload["num_prompts"])
+    with tempfile.TemporaryDirectory() as tmp:
+        workload["checkpoint"] = os.path.join(tmp, "model")
+        subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
+                       + (["--large"] if args.large else []), check=True, stdout=subprocess.DEVNULL)
+        print(json.dumps(measure(workload, args.rounds)))
+
+
+def measure(workload: dict, rounds: int) -> dict:
+    """Builds both update steps on one sampled batch and times them alternately (see the module doc)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from stare_jax import distributed, parallel
+    from stare_jax.models import from_pretrained
+    from stare_jax.rl import create_train_state, make_update_step
+    from stare_jax.rollout import generate
+
+    configs = {loss: ours_peer.bench_config(dict(workload, loss=loss)) for loss in ("stare", "grpo")}
+    distributed.initialize(configs["stare"])
+    mesh = parallel.mesh_from_config(configs["stare"].mesh)
+    steps = {}
+    for loss, config in configs.items():
+        policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
+                                 scan_layers=config.model.scan_layers)
+        state = create_train_state(policy.model, config, mesh=mesh)
+        steps[loss] = [make_update_step(config, mesh, state), nnx.state(state)]
+    sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
+                              scan_layers=configs["stare"].model.scan_layers)  # the updates donate their weights
+    ids, _, _ = common.prompts(workload)
+    key = jax.random.key(workload["seed"])
+
+    def rollout():
+        out = generate(sampler, ids, np.ones_like(ids), rng=key, group_size=workload["group_size"],
+                       max_new_tokens=workload["new_tokens"], eos_ids=(), mesh=mesh)
+        jax.block_until_ready(out.response_ids)
+        return out
+
+    out = rollout()
+    rewards = np.random.RandomState(workload["seed"]).rand(out.response_ids.shape[0]).astype(np.float32)
+    batch = parallel.shard_batch({"input_ids": np.asarray(out.tokens), "attention_mask": np.asarray(out.attention_mask),
+                                  "response_mask": np.asarray(out.response_mask),
+                                  "old_log_probs": np.asarray(out.log_probs), "rewards": rewards}, mesh)
+    wall = {loss: [] for loss in steps}
+    cpu = {loss: [] for loss in steps}
+    rollout_s = []
+
+    def timed(loss):
+        step, state = steps[loss]
+        time.sleep(0.3)
+        t, c = time.perf_counter(), time.process_time()
+        state, metrics = step.apply(state, batch, key)
+        jax.block_until_ready(metrics)
+        wall[loss].append(time.perf_counter() - t)
+        cpu[loss].append(time.process_time() - c)
+        steps[loss][1] = state
+
+    for loss in steps:  # compile
+        timed(loss)
+        wall[loss].clear()
+        cpu[loss].clear()
+    for r in range(rounds):
+        for loss in (("stare", "grpo") if r % 2 == 0 else ("grpo", "stare")):
+            timed(loss)
+        t = time.perf_counter()
+        rollout()
+        rollout_s.append(time.perf_counter() - t)
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    stare, grpo = med(wall["stare"]), med(wall["grpo"])
+    return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": rounds, "devices": jax.device_count(),
+            "stare_update_s": round(stare, 4), "grpo_update_s": round(grpo, 4), "rollout_s": round(med(rollout_s), 4),
+            "update_overhead": round(med([a / b - 1 for a, b in zip(wall["stare"], wall["grpo"])]), 4),
+            "update_cpu_overhead": round(med([a / b - 1 for a, b in zip(cpu["stare"], cpu["grpo"])]), 4),
+            "step_overhead": round((stare - grpo) / (med(rollout_s) + stare), 4)}
+
+
+if __name__ == "__main__":
+    main()
