@@ -21,6 +21,7 @@ from stare_jax.compilation import CompilationCounter
 from stare_jax import parallel
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
+from stare_jax.models.hf import abstract_model, load_config, load_tokenizer_dir
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -379,8 +380,9 @@ def config_from_json(flat: dict):
 def load_trained_policy(workdir: str, *, config=None, step: int | None = None, mesh=None):
     """(config, policy, step) of a workdir's latest (or given) complete checkpoint, restored onto `mesh`
     (default: one device). The config is the one the run saved unless `config` is given. Only the
-    policy parameters are read from the checkpoint (`Checkpointer.restore_model`), onto the
-    structure and shardings of the run's base model."""
+    policy parameters are read, from the checkpoint alone (`Checkpointer.restore_model`), onto the
+    structure and shardings of the run's model config (`abstract_model`): the base weights are not
+    loaded first."""
     from flax import nnx
 
     workdir = os.path.abspath(workdir)
@@ -396,10 +398,10 @@ def load_trained_policy(workdir: str, *, config=None, step: int | None = None, m
         config = saved if config is None else config
         mesh = mesh if mesh is not None else parallel.make_mesh(devices=jax.devices()[:1])
         path = saved.model.path or os.path.join(workdir, "model")
-        policy = from_pretrained(path, dtype=saved.model.dtype, param_dtype=saved.model.param_dtype, mesh=mesh)
-        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                          nnx.state(policy.model))
-        nnx.update(policy.model, ckpt.restore_model(step, abstract))
+        cfg = load_config(path)
+        graphdef, state = abstract_model(cfg, dtype=saved.model.dtype, param_dtype=saved.model.param_dtype, mesh=mesh)
+        model = nnx.merge(graphdef, ckpt.restore_model(step, state))
+        policy = Policy(model=model, config=cfg, tokenizer=load_tokenizer_dir(path), mesh=mesh)
     finally:
         ckpt.close()
     return config, policy, step

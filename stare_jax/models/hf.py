@@ -95,6 +95,32 @@ def _transposed(path: str) -> bool:
     return (_LAYER_MAP.get(name) or _TOP_MAP[name])[1]
 
 
+def _decoder_factory(cfg: ModelConfig, dtype: str, param_dtype: str | None, remat: bool, scan_layers: bool,
+                     mesh: Mesh | None, seed: int = 0):
+    pdt = DTYPES[param_dtype or dtype]
+    return lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, scan_layers=scan_layers, mesh=mesh,
+                           rngs=nnx.Rngs(seed))
+
+
+def param_sharding(path: str, shape: tuple, mesh: Mesh | None):
+    """Where parameter `path` lives: by the partition rules on `mesh`, else on the first device."""
+    if mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    return NamedSharding(mesh, parallel.spec_for_param(path, shape, mesh))
+
+
+def abstract_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | None = None,
+                   remat: bool = False, scan_layers: bool = True, mesh: Mesh | None = None):
+    """(graphdef, state) of the decoder `build_model` would build, without allocating a parameter:
+    the state's leaves are `jax.ShapeDtypeStruct`s carrying their shardings: a restore target for a
+    checkpoint's weights, to `nnx.merge` with the graphdef once restored."""
+    graphdef, state = nnx.split(nnx.eval_shape(_decoder_factory(cfg, dtype, param_dtype, remat, scan_layers, mesh)))
+    place = lambda path, x: jax.ShapeDtypeStruct(  # noqa: E731
+        x.shape, x.dtype, sharding=param_sharding(parallel.path_to_str(path), x.shape, mesh))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
+    return graphdef, state
+
+
 def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | None = None,
                 remat: bool = False, scan_layers: bool = True, mesh: Mesh | None = None,
                 load: Callable[[str, tuple, tuple], np.ndarray] | None = None, seed: int = 0) -> Decoder:
@@ -103,11 +129,8 @@ def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | 
     `load(path, shape, index)` returns the block `index` of parameter `path` (a tuple of slices);
     without it the parameters are randomly initialised (on the host, then sharded).
     """
-    pdt = DTYPES[param_dtype or dtype]
-    make = lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, scan_layers=scan_layers, mesh=mesh,
-                           rngs=nnx.Rngs(seed))
-    abstract = nnx.eval_shape(make)
-    graphdef, state = nnx.split(abstract)
+    make = _decoder_factory(cfg, dtype, param_dtype, remat, scan_layers, mesh, seed)
+    graphdef, state = nnx.split(nnx.eval_shape(make))
     pure = nnx.to_pure_dict(state)
     if load is None:
         with jax.default_device(jax.devices("cpu")[0]):
@@ -116,10 +139,8 @@ def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | 
 
     def place(path, leaf):
         p = parallel.path_to_str(path)
-        sharding = (NamedSharding(mesh, parallel.spec_for_param(p, leaf.shape, mesh)) if mesh is not None
-                    else SingleDeviceSharding(jax.devices()[0]))
-        return jax.make_array_from_callback(
-            leaf.shape, sharding, lambda idx: np.asarray(load(p, leaf.shape, idx)).astype(leaf.dtype))
+        return jax.make_array_from_callback(leaf.shape, param_sharding(p, leaf.shape, mesh),
+                                            lambda idx: np.asarray(load(p, leaf.shape, idx)).astype(leaf.dtype))
 
     pure = jax.tree_util.tree_map_with_path(place, pure)
     nnx.replace_by_pure_dict(state, pure)
