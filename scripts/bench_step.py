@@ -11,7 +11,8 @@ one after the other; then each timed round runs one step of each participant in 
 time, with the order rotated every round, so that the machine's drift affects all of them alike.
 Medians over `--steps` rounds. On CPU stare-jax splits the host into one JAX device per core
 (`mesh.cpu_devices`, `--cpu-devices`); the peers use their own defaults (TRL: torch's threads
-over all cores; Tunix: one JAX device). The last line printed is one JSON object:
+over all cores; Tunix: one JAX device, or `--tunix-devices N` for an (fsdp, tp) = (N, 1) mesh).
+The last line printed is one JSON object:
 
     median_step_s, median_rollout_s, median_update_s, rollout_tokens_per_s, peak_rss_mb, shape
         stare-jax (STARE loss) figures, as in contract 9
@@ -29,6 +30,7 @@ over all cores; Tunix: one JAX device). The last line printed is one JSON object
 
     python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
+                                 [--tunix-devices N]
 
 The peers need requirements-bench.txt in their own virtual environment (see that file).
 """
@@ -143,6 +145,8 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="stare-jax on CPU: JAX devices to split the host into (mesh.cpu_devices; 0: one per "
                          "core, dividing the prompt count; 1: a single device)")
+    ap.add_argument("--tunix-devices", type=int, default=1,
+                    help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
@@ -153,6 +157,8 @@ def main() -> None:
     workload["cpu_devices"] = args.cpu_devices or cpu_devices_per_core(workload["num_prompts"])
     if workload["num_prompts"] % workload["cpu_devices"]:
         ap.error(f"--cpu-devices {args.cpu_devices} must divide the {workload['num_prompts']} prompts")
+    if args.tunix_devices < 1 or workload["num_prompts"] % args.tunix_devices:
+        ap.error(f"--tunix-devices {args.tunix_devices} must be >= 1 and divide the {workload['num_prompts']} prompts")
     shape = {k: workload[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                       "intermediate_size", "num_prompts", "group_size", "prompt_len", "new_tokens")}
     workers: list[Worker] = []
@@ -162,7 +168,8 @@ def main() -> None:
                        check=True, stdout=subprocess.DEVNULL)
         workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable, dict(workload, loss="stare", paired_grpo=args.grpo))]
-        plan += [(p, f"{p}_peer.py", args.peer_python, dict(workload, loss="grpo")) for p in args.peer]
+        plan += [(p, f"{p}_peer.py", args.peer_python, dict(workload, loss="grpo", tunix_devices=args.tunix_devices))
+             for p in args.peer]
         try:
             for name, script, python, w in plan:  # warm-up one at a time
                 print(f"[bench_step] starting {name}", file=sys.stderr, flush=True)

@@ -121,7 +121,8 @@ def load_model(workload: dict, mesh: jax.sharding.Mesh) -> qwen2_model.Qwen2:
 def build_learner(workload: dict, clock: common.StepClock) -> TimedGRPOLearner:
     """The RL cluster (actor = rollout model on one 1x1 mesh) and the GRPO learner."""
     w = workload
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
+    n = int(w.get("tunix_devices", 1))
+    mesh = jax.make_mesh((n, 1), ("fsdp", "tp"), devices=jax.devices()[:n],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokenizer = common.build_tokenizer()
     rollout_config = base_rollout.RolloutConfig(
@@ -164,6 +165,9 @@ def batches(workload: dict, learner: TimedGRPOLearner, clock: common.StepClock):
 
 def main() -> None:
     workload = common.workload_from_argv()
+    if int(workload.get("tunix_devices", 1)) > 1:  # before JAX's backend starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={int(workload['tunix_devices'])}")
     clock = common.StepClock()
     learner = build_learner(workload, clock)
     learner.train(batches(workload, learner, clock))
