@@ -356,15 +356,45 @@ def attention_residual(p, x: jax.Array, attn: jax.Array, dtype) -> jax.Array:
     return x + project(attn.astype(dtype), p["wo"], p.get("bo"), dtype)
 
 
+@jax.custom_vjp
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    """silu(g) * u of gate_up = [g, u] [..., 2F] (float32 math, result in gate_up's dtype).
+
+    Its backward recomputes s = sigmoid(g) from the saved gate_up and writes [dg, du] [..., 2F] in
+    one pass: dg = da u s (1 + g (1 - s)), du = da g s. Autodiff would also save sigmoid(g) and
+    silu(g) as [tokens, F] arrays and read them back in several passes; on CPU these elementwise
+    passes over the MLP's widest activations are bound by memory bandwidth.
+    """
+    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return (g * jax.nn.sigmoid(g) * u).astype(gate_up.dtype)
+
+
+def _swiglu_fwd(gate_up):
+    return swiglu(gate_up), gate_up
+
+
+def _swiglu_bwd(gate_up, da):
+    # The barrier keeps XLA from sharing sigmoid(g) with the forward (common-subexpression
+    # elimination would otherwise store it between the passes, the very array recomputing avoids).
+    gate_up = jax.lax.optimization_barrier(gate_up)
+    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    da = da.astype(jnp.float32)
+    s = jax.nn.sigmoid(g)
+    return (jnp.concatenate([da * u * s * (1.0 + g * (1.0 - s)), da * g * s], axis=-1).astype(gate_up.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
     """x + W_down (silu(W_gate h) * W_up h), h = RMSNorm(x): the SwiGLU half of a block."""
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in p:
-        gate, up = jnp.split(project(h, p["w_gate_up"], p.get("b_gate_up"), dtype), 2, axis=-1)
-    else:
+        act = swiglu(project(h, p["w_gate_up"], p.get("b_gate_up"), dtype))
+    else:  # gate and up sharded over `tensor`: concatenating them would move data between devices
         gate = project(h, p["w_gate"], p.get("b_gate"), dtype)
         up = project(h, p["w_up"], p.get("b_up"), dtype)
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
     return x + project(act, p["w_down"], p.get("b_down"), dtype)
 
 
