@@ -96,12 +96,17 @@ def rope_table(cfg: ModelConfig, length: int) -> tuple[jax.Array, jax.Array]:
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates pairs (x_i, x_{i+d/2}) by the angle position * inv_freq_i ("rotate half" layout).
 
-    x: [B, T, H, D]; cos, sin: [B, T, D/2] float32.
+    x: [B, T, H, D]; cos, sin: [B, T, D/2] float32. With x = [x1, x2] along D the result is
+    [x1 cos - x2 sin, x2 cos + x1 sin], computed on the [..., 2, D/2] view as
+    x cos + flip(x) (-sin, +sin): one elementwise pass, where a concatenate of the two halves
+    would be three on XLA:CPU (it does not fuse concatenates with their operands).
     """
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    pair = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, half))
+    c, s = cos[:, :, None, None, :], sin[:, :, None, None, :]
+    first = jax.lax.broadcasted_iota(jnp.int32, pair.shape, pair.ndim - 2) == 0
+    rotated = pair * c + jnp.flip(pair, axis=-2) * jnp.where(first, -s, s)
+    return rotated.reshape(x.shape).astype(x.dtype)
 
 
 class LayerStack(nnx.Module):
@@ -376,11 +381,17 @@ def _swiglu_fwd(gate_up):
 def _swiglu_bwd(gate_up, da):
     # The barrier keeps XLA from sharing sigmoid(g) with the forward (common-subexpression
     # elimination would otherwise store it between the passes, the very array recomputing avoids).
+    # [dg, du] is written as one select over the [..., 2, F] view rather than a concatenate, which
+    # XLA:CPU would not fuse with the elementwise math (three more passes).
     gate_up = jax.lax.optimization_barrier(gate_up)
-    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    da = da.astype(jnp.float32)
+    F = da.shape[-1]
+    pair = gate_up.astype(jnp.float32).reshape(gate_up.shape[:-1] + (2, F))
+    g, u = pair[..., :1, :], pair[..., 1:, :]
+    da = da.astype(jnp.float32)[..., None, :]
     s = jax.nn.sigmoid(g)
-    return (jnp.concatenate([da * u * s * (1.0 + g * (1.0 - s)), da * g * s], axis=-1).astype(gate_up.dtype),)
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, pair.shape, pair.ndim - 2) == 0
+    grad = da * s * jnp.where(is_gate, u * (1.0 + g * (1.0 - s)), g)
+    return (grad.reshape(gate_up.shape).astype(gate_up.dtype),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
