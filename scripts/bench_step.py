@@ -168,8 +168,9 @@ def main() -> None:
                        check=True, stdout=subprocess.DEVNULL)
         workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable, dict(workload, loss="stare", paired_grpo=args.grpo))]
-        plan += [(p, f"{p}_peer.py", args.peer_python, dict(workload, loss="grpo", tunix_devices=args.tunix_devices))
-             for p in args.peer]
+        plan += [(p, f"{p}_peer.py", args.peer_python,
+                  dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
+                 for p in args.peer]
         try:
             for name, script, python, w in plan:  # warm-up one at a time
                 print(f"[bench_step] starting {name}", file=sys.stderr, flush=True)

@@ -370,8 +370,14 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     silu(g) as [tokens, F] arrays and read them back in several passes; on CPU these elementwise
     passes over the MLP's widest activations are bound by memory bandwidth.
     """
-    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    return (g * jax.nn.sigmoid(g) * u).astype(gate_up.dtype)
+    g, u = jnp.split(gate_up, 2, axis=-1)
+    return _silu_times(g, u)
+
+
+def _silu_times(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up = gate sigmoid(gate) up, float32 math, in gate's dtype."""
+    g = gate.astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 def _swiglu_fwd(gate_up):
@@ -405,7 +411,7 @@ def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
     else:  # gate and up sharded over `tensor`: concatenating them would move data between devices
         gate = project(h, p["w_gate"], p.get("b_gate"), dtype)
         up = project(h, p["w_up"], p.get("b_up"), dtype)
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+        act = _silu_times(gate, up)
     return x + project(act, p["w_down"], p.get("b_down"), dtype)
 
 
