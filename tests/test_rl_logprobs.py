@@ -114,3 +114,25 @@ def test_compiled_update_step_never_holds_full_vocabulary_logits():
     # parameters + Adam moments + batch are the only arguments: no logits-sized input either
     assert mem.argument_size_in_bytes < 0.2 * full * 4
     assert mem.temp_size_in_bytes < full * 4
+
+
+@pytest.mark.parametrize("chunk", [32, 97])
+def test_bfloat16_compute_matches_float32_within_bf16_rounding(chunk):
+    """compute_dtype=bfloat16 (the bf16 switch): the logits matmuls in bf16 with float32 accumulation
+    give values and gradients within bf16 rounding of the float32 ones, in the inputs' dtypes."""
+    k = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(k[0], (2, 5, 16))
+    w = jax.random.normal(k[1], (16, 97)) * 0.3
+    t = jax.random.randint(k[2], (2, 5), 0, 97)
+
+    def run(h, w, dtype):
+        f = lambda h, w: token_stats(h, w, t, chunk_size=chunk, compute_dtype=dtype)  # noqa: E731
+        stats = jax.jit(f)(h, w)
+        grads = jax.jit(jax.grad(lambda h, w: jnp.sum(f(h, w).log_probs - 0.5 * f(h, w).entropy), (0, 1)))(h, w)
+        return stats, grads
+    (s32, g32), (s16, g16) = run(h, w, None), run(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.bfloat16)
+    assert g16[0].dtype == g16[1].dtype == jnp.bfloat16 and s16.log_probs.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(s16.log_probs), np.asarray(s32.log_probs), atol=0.05)
+    np.testing.assert_allclose(np.asarray(s16.entropy), np.asarray(s32.entropy), atol=0.05)
+    for a, b in zip(g16, g32):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=0.05 * float(jnp.abs(b).max()))

@@ -15,11 +15,15 @@ and, without gradient, the diagnostics quantity Q = sum_j pi_j^2 (s_j - H) with 
     Q   = (S2 / se^2)(sz / se) - S2z / se^2
 
 When m grows to m', old sums are rescaled by a = e^{m - m'} (a^2 for the squared sums) and the
-shifted first moments pick up (m - m') times the matching zeroth moment. The chunk body is wrapped
-in `jax.checkpoint`, so reverse-mode autodiff saves only the per-position carries and recomputes a
-chunk's logits in the backward pass: peak extra memory is O(N T C), not O(N T V). A vocabulary of
-at most C columns is one chunk, computed without the loop and without recomputation. The running max
-carries no gradient (the result is shift-invariant).
+shifted first moments pick up (m - m') times the matching zeroth moment. Each chunk is read twice,
+once for its max and once for all its sums (one variadic reduce).
+
+The backward pass is written by hand (`_stats_bwd`): it walks the chunks again, recomputes a chunk's
+logits, forms dL/dz from the closed forms of d log pi_k / dz and dH / dz in one elementwise pass, and
+multiplies it into dh and dW_c. Only per-position statistics are kept between the passes, so the
+extra memory is O(N T C), not O(N T V), and nothing is differentiated through the scan's carries. A
+vocabulary of at most C columns is one chunk, computed without a loop; its logits are kept for the
+backward pass instead of being recomputed.
 
 A vocabulary that C does not divide is handled without padding the matrix: the last chunk starts at
 V - C and ignores the columns an earlier chunk already covered.
@@ -27,6 +31,7 @@ V - C and ignores the columns an earlier chunk already covered.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -50,64 +55,160 @@ def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chun
     hidden [N, T, D] (final-norm hidden states), w_out [D, V], targets [N, T] int. The logits are
     (hidden @ w_out) / temperature computed in `compute_dtype` (default: hidden's dtype) with
     float32 accumulation, `chunk_size` vocabulary columns at a time. `log_probs` and `entropy` are
-    differentiable w.r.t. hidden and w_out; Q is not.
+    differentiable w.r.t. hidden and w_out (by the hand-written backward, see `_stats_bwd`); Q is not.
     """
-    N, T, D = hidden.shape
     V = w_out.shape[1]
-    C = int(min(chunk_size, V))
-    num_chunks = -(-V // C)
-    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else hidden.dtype
-    h = hidden.astype(dtype)
-    w = w_out.astype(dtype)
-    targets = targets.astype(jnp.int32)
-    inv_temp = 1.0 / float(temperature)
+    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(hidden.dtype)
+    spec = _Spec(chunk=int(min(chunk_size, V)), inv_temp=1.0 / float(temperature), dtype=dtype.name,
+                 with_pi2=bool(with_pi2))
+    log_probs, entropy, pi2_dev = _token_stats(spec, hidden, w_out, targets.astype(jnp.int32))
+    return TokenStats(log_probs=log_probs, entropy=entropy, pi2_dev=pi2_dev if with_pi2 else None)
+
+
+class _Spec(NamedTuple):
+    """The static part of a `token_stats` call (hashable)."""
+
+    chunk: int
+    inv_temp: float
+    dtype: str
+    with_pi2: bool
+
+
+def _logits(spec: _Spec, h2: jax.Array, w_c: jax.Array) -> jax.Array:
+    """z = (h2 @ w_c) / temperature: [M, D] x [D, C] in the compute dtype, float32 result."""
+    z = jnp.dot(h2.astype(spec.dtype), w_c.astype(spec.dtype), preferred_element_type=jnp.float32)
+    return z * spec.inv_temp if spec.inv_temp != 1.0 else z
+
+
+def _moments(z: jax.Array, m: jax.Array, with_pi2: bool) -> tuple:
+    """One pass over a chunk's logits z [M, C] shifted by m [M]: sums over the chunk of
+    e = e^{z-m}, e (z-m) and, with pi2, e^2 and e^2 (z-m); a variadic reduce, so z is read once."""
+    d = z - m[:, None]
+    e = jnp.exp(d)
+    terms = (e, e * d) + ((e * e, e * e * d) if with_pi2 else ())
+    zero = jnp.float32(0)
+    return jax.lax.reduce(terms, (zero,) * len(terms), lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+
+
+def _forward(spec: _Spec, h2: jax.Array, w: jax.Array, targets: jax.Array):
+    """Row statistics (m, se, sz, zk, s2, s2z) [M] of all V logits, and the logits themselves when
+    the vocabulary is one chunk (else None)."""
+    M, V, C = h2.shape[0], w.shape[1], spec.chunk
+    zeros = jnp.zeros((M,), jnp.float32)
+    if C == V:
+        z = _logits(spec, h2, w)
+        m = jnp.max(z, axis=1)
+        sums = _moments(z, m, spec.with_pi2)
+        zk = jnp.take_along_axis(z, targets[:, None], axis=1)[:, 0]
+        s2, s2z = sums[2:] if spec.with_pi2 else (zeros, zeros)
+        return (m, sums[0], sums[1], zk, s2, s2z), z
 
     def body(carry, c):
         m, se, sz, zk, s2, s2z = carry
         chunk_start = c * C
         start = jnp.minimum(chunk_start, V - C)
-        w_c = jax.lax.dynamic_slice_in_dim(w, start, C, axis=1)
-        z = jnp.einsum("ntd,dc->ntc", h, w_c, preferred_element_type=jnp.float32)
-        if inv_temp != 1.0:
-            z = z * inv_temp
+        z = _logits(spec, h2, jax.lax.dynamic_slice_in_dim(w, start, C, axis=1))
         col = start + jnp.arange(C, dtype=jnp.int32)
-        fresh = col >= chunk_start  # columns not already folded in by an earlier chunk
-        z = jnp.where(fresh, z, _NEG)
-        m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(z, axis=-1)))
+        hit = col == targets[:, None]
+        if V % C:  # the last chunk starts at V - C: drop the columns an earlier chunk covered
+            fresh = col >= chunk_start
+            z, hit = jnp.where(fresh, z, _NEG), hit & fresh
+        m_new = jnp.maximum(m, jnp.max(z, axis=1))
         shift = m - m_new
         a = jnp.exp(shift)
-        d = z - m_new[..., None]
-        e = jnp.exp(d)
-        se_new = a * se + e.sum(-1)
-        sz_new = a * (sz + shift * se) + (e * d).sum(-1)
-        hit = fresh & (col == targets[..., None])
-        zk_new = zk + jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
-        if with_pi2:
-            ds = jax.lax.stop_gradient(d)
-            e2 = jnp.exp(2.0 * ds)
+        sums = _moments(z, m_new, spec.with_pi2)
+        se_new = a * se + sums[0]
+        sz_new = a * (sz + shift * se) + sums[1]
+        zk_new = zk + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
+        if spec.with_pi2:
             a2 = a * a
-            s2_new = a2 * s2 + e2.sum(-1)
-            s2z_new = a2 * (s2z + shift * s2) + (e2 * ds).sum(-1)
-        else:
-            s2_new, s2z_new = s2, s2z
-        return (m_new, se_new, sz_new, zk_new, s2_new, s2z_new), None
+            s2, s2z = a2 * s2 + sums[2], a2 * (s2z + shift * s2) + sums[3]
+        return (m_new, se_new, sz_new, zk_new, s2, s2z), None
 
-    zeros = jnp.zeros((N, T), jnp.float32)
-    init = (jnp.full((N, T), _NEG, jnp.float32), zeros, zeros, zeros, zeros, zeros)
-    if num_chunks == 1:  # the whole vocabulary is one chunk: no loop, and no recomputation in the backward
-        (m, se, sz, zk, s2, s2z), _ = body(init, jnp.int32(0))
-    else:
-        body = jax.checkpoint(body, prevent_cse=False)
-        (m, se, sz, zk, s2, s2z), _ = jax.lax.scan(body, init, jnp.arange(num_chunks, dtype=jnp.int32))
+    init = (jnp.full((M,), _NEG, jnp.float32), zeros, zeros, zeros, zeros, zeros)
+    stats, _ = jax.lax.scan(body, init, jnp.arange(-(-V // C), dtype=jnp.int32))
+    return stats, None
+
+
+def _finish(spec: _Spec, stats) -> tuple:
+    """(log pi_k, H, Q, log Z) from the row statistics."""
+    m, se, sz, zk, s2, s2z = stats
     log_se = jnp.log(se)
     mean_shifted = sz / se  # sum_j pi_j (z_j - m)
     log_probs = zk - m - log_se
     entropy = log_se - mean_shifted
-    pi2_dev = None
-    if with_pi2:
-        inv_se2 = 1.0 / (se * se)
-        pi2_dev = jax.lax.stop_gradient(s2 * inv_se2 * mean_shifted - s2z * inv_se2)
-    return TokenStats(log_probs=log_probs, entropy=entropy, pi2_dev=pi2_dev)
+    inv_se2 = 1.0 / (se * se)
+    pi2_dev = s2 * inv_se2 * mean_shifted - s2z * inv_se2 if spec.with_pi2 else jnp.zeros_like(m)
+    return log_probs, entropy, pi2_dev, m + log_se
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _token_stats(spec: _Spec, hidden, w_out, targets):
+    """(log pi_k, H, Q) [N, T] of `token_stats`."""
+    return _token_stats_fwd(spec, hidden, w_out, targets)[0]
+
+
+def _token_stats_fwd(spec: _Spec, hidden, w_out, targets):
+    N, T, D = hidden.shape
+    h2 = hidden.reshape(N * T, D)
+    stats, logits = _forward(spec, h2, w_out, targets.reshape(N * T))
+    log_probs, entropy, pi2_dev, log_z = _finish(spec, stats)
+    out = tuple(x.reshape(N, T) for x in (log_probs, entropy, pi2_dev))
+    return out, (hidden, w_out, targets, log_z, entropy, logits)
+
+
+def _stats_bwd(spec: _Spec, residuals, cotangents):
+    """Gradients of log pi_k and H through the logits z_j, chunk by chunk, with p_j = e^{z_j - log Z}:
+
+        d log pi_k / d z_j = [j = k] - p_j        d H / d z_j = -p_j (log p_j + H)
+
+    so dz_j = [j = k] g_lp - p_j (g_lp + g_H (log p_j + H)), scaled by 1/temperature; then
+    dh = dz W_c^T and dW_c = h^T dz. A one-chunk vocabulary reuses the forward's logits; otherwise
+    each chunk's logits are recomputed (the forward kept only [M] row statistics). Q has no gradient.
+    """
+    hidden, w_out, targets, log_z, entropy, logits = residuals
+    g_lp, g_h, _ = cotangents
+    N, T, D = hidden.shape
+    M, V, C = N * T, w_out.shape[1], spec.chunk
+    h2 = hidden.reshape(M, D)
+    tgt = targets.reshape(M, 1)
+    g_lp, g_h, log_z, ent = (x.reshape(M, 1).astype(jnp.float32) for x in (g_lp, g_h, log_z, entropy))
+
+    def dlogits(z, col):
+        logp = z - log_z
+        p = jnp.exp(logp)
+        dz = jnp.where(col == tgt, g_lp, 0.0) - p * (g_lp + g_h * (logp + ent))
+        return dz * spec.inv_temp if spec.inv_temp != 1.0 else dz
+
+    def grads(dz, w_c):
+        dz = dz.astype(spec.dtype)
+        dh = jnp.dot(dz, w_c.astype(spec.dtype).T, preferred_element_type=jnp.float32)
+        dw = jnp.dot(h2.astype(spec.dtype).T, dz, preferred_element_type=jnp.float32)
+        return dh, dw
+
+    if C == V:
+        dh, dw = grads(dlogits(logits, jnp.arange(V, dtype=jnp.int32)[None]), w_out)
+    else:
+        def body(carry, c):
+            dh, dw = carry
+            chunk_start = c * C
+            start = jnp.minimum(chunk_start, V - C)
+            w_c = jax.lax.dynamic_slice_in_dim(w_out, start, C, axis=1)
+            col = start + jnp.arange(C, dtype=jnp.int32)[None]
+            dz = dlogits(_logits(spec, h2, w_c), col)
+            if V % C:
+                dz = jnp.where(col >= chunk_start, dz, 0.0)
+            dh_c, dw_c = grads(dz, w_c)
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, jax.lax.dynamic_slice_in_dim(dw, start, C, 1) + dw_c,
+                                                     start, axis=1)
+            return (dh + dh_c, dw), None
+
+        init = (jnp.zeros((M, D), jnp.float32), jnp.zeros((D, V), jnp.float32))
+        (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(-(-V // C), dtype=jnp.int32))
+    return dh.reshape(hidden.shape).astype(hidden.dtype), dw.astype(w_out.dtype), None
+
+
+_token_stats.defvjp(_token_stats_fwd, _stats_bwd)
 
 
 def naive_token_stats(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> TokenStats:

@@ -2,11 +2,13 @@
 
 Every token-selection rule of the RL core (STARE's L+/L-, the forking-token mask, Clip-Cov's random
 subset, KL-Cov's top covariance) is "the k highest-scoring members of a set", with k computed from
-the set's size. Here k is a traced integer, so selection is done by ranking (one stable sort)
-instead of `lax.top_k`, which needs a static k:
+the set's size. Here k is a traced integer, so `lax.top_k` (static k) does not apply; selection finds
+the k-th largest member score t by bisection on the float32 bit pattern and keeps
 
-    rank_i = position of token i when members are ordered by score, descending, ties by index
-    selected_i = member_i and rank_i < k
+    selected_i = member_i and (score_i > t, or score_i == t and i is among the first
+                 k - |{members: score > t}| members scoring t by index)
+
+which is the ordering "score descending, ties by index" without a sort.
 
 Counts use exact integer arithmetic when the ratio is a simple fraction (0.1 = 1/10, 2e-4 =
 1/5000, ...), so `ceil(0.1 * 1_500_000 - 1e-6)` is 150000 as in float64 Python, not 150001 as a
@@ -56,20 +58,12 @@ def floor_count(ratio: float, n: jax.Array) -> jax.Array:
     return a * q + (a * r) // b
 
 
-def descending_rank(scores: jax.Array, member: jax.Array) -> jax.Array:
-    """Rank of each element along the last axis: members first, by score descending, ties by index.
-
-    Non-members rank after every member. Batched over leading axes (one ranking per row).
-    """
-    shape = scores.shape
-    iota = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-    not_member = jnp.logical_not(member).astype(jnp.int32)
-    neg = -scores.astype(jnp.float32)
-    # Lexicographic sort by (non-member, -score); stability breaks remaining ties by index.
-    _, _, order = jax.lax.sort((not_member, neg, iota), dimension=len(shape) - 1, num_keys=2, is_stable=True)
-    # Inverse permutation: sorting the iota by `order` gives, for each element, its rank.
-    _, rank = jax.lax.sort((order, iota), dimension=len(shape) - 1, num_keys=1, is_stable=True)
-    return rank
+def _order_key(scores: jax.Array) -> jax.Array:
+    """uint32 keys with the order of the float32 scores (-0.0 below +0.0): the sign bit flipped for
+    non-negative numbers, all bits flipped for negative ones."""
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
 def select_top_k(scores: jax.Array, member: jax.Array, k: jax.Array, *, num_groups: int = 1) -> jax.Array:
@@ -77,13 +71,27 @@ def select_top_k(scores: jax.Array, member: jax.Array, k: jax.Array, *, num_grou
 
     `scores`, `member`: any shape; the flattened (row-major) array is split into `num_groups`
     contiguous equal groups and `k` (scalar or [num_groups]) members are selected in each.
+
+    Without sorting: the k-th largest member key t is found bit by bit from the top (32 counting
+    passes, t = the largest value with |{members: key >= t}| >= k); every member above t is selected,
+    and of the members equal to t the first k - |{key > t}| by index.
     """
     shape = scores.shape
-    flat_scores = scores.reshape(num_groups, -1)
-    flat_member = member.reshape(num_groups, -1).astype(bool)
-    rank = descending_rank(flat_scores, flat_member)
-    k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), (num_groups,))
-    return (flat_member & (rank < k[:, None])).reshape(shape)
+    key = _order_key(scores.reshape(num_groups, -1))
+    member = member.reshape(num_groups, -1).astype(bool)
+    k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), (num_groups,))[:, None]
+
+    def refine(bit, t):
+        candidate = t | (jnp.uint32(1) << (31 - bit).astype(jnp.uint32))
+        enough = jnp.sum(member & (key >= candidate), axis=1, keepdims=True, dtype=jnp.int32) >= k
+        return jnp.where(enough, candidate, t)
+
+    t = jax.lax.fori_loop(0, 32, refine, jnp.zeros((num_groups, 1), jnp.uint32))
+    above = member & (key > t)
+    tie = member & (key == t)
+    room = k - jnp.sum(above, axis=1, keepdims=True, dtype=jnp.int32)
+    selected = above | (tie & (jnp.cumsum(tie, axis=1, dtype=jnp.int32) <= room))
+    return (selected & (k > 0)).reshape(shape)
 
 
 def select_top_fraction(scores: jax.Array, member: jax.Array, ratio: float, *, num_groups: int = 1) -> jax.Array:
