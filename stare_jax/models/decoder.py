@@ -365,10 +365,11 @@ def attention_residual(p, x: jax.Array, attn: jax.Array, dtype) -> jax.Array:
 def swiglu(gate_up: jax.Array) -> jax.Array:
     """silu(g) * u of gate_up = [g, u] [..., 2F] (float32 math, result in gate_up's dtype).
 
-    Its backward recomputes s = sigmoid(g) from the saved gate_up and writes [dg, du] [..., 2F] in
-    one pass: dg = da u s (1 + g (1 - s)), du = da g s. Autodiff would also save sigmoid(g) and
-    silu(g) as [tokens, F] arrays and read them back in several passes; on CPU these elementwise
-    passes over the MLP's widest activations are bound by memory bandwidth.
+    Its backward recomputes s = sigmoid(g) from the saved gate_up: dg = da u s (1 + g (1 - s)) and
+    du = da g s, each one fused pass that computes s itself, then [dg, du] [..., 2F]. Autodiff
+    would also save sigmoid(g) and silu(g) as [tokens, F] arrays and read them back in several
+    passes; on CPU these elementwise passes over the MLP's widest activations are bound by memory
+    bandwidth.
     """
     g, u = jnp.split(gate_up, 2, axis=-1)
     return _silu_times(g, u)
@@ -385,19 +386,16 @@ def _swiglu_fwd(gate_up):
 
 
 def _swiglu_bwd(gate_up, da):
-    # The barrier keeps XLA from sharing sigmoid(g) with the forward (common-subexpression
-    # elimination would otherwise store it between the passes, the very array recomputing avoids).
-    # [dg, du] is written as one select over the [..., 2, F] view rather than a concatenate, which
-    # XLA:CPU would not fuse with the elementwise math (three more passes).
-    gate_up = jax.lax.optimization_barrier(gate_up)
-    F = da.shape[-1]
-    pair = gate_up.astype(jnp.float32).reshape(gate_up.shape[:-1] + (2, F))
-    g, u = pair[..., :1, :], pair[..., 1:, :]
-    da = da.astype(jnp.float32)[..., None, :]
-    s = jax.nn.sigmoid(g)
-    is_gate = jax.lax.broadcasted_iota(jnp.int32, pair.shape, pair.ndim - 2) == 0
-    grad = da * s * jnp.where(is_gate, u * (1.0 + g * (1.0 - s)), g)
-    return (grad.reshape(gate_up.shape).astype(gate_up.dtype),)
+    # Two optimisation barriers over different tuples give dg and du their own copy of g, so
+    # each fusion computes sigmoid(g) itself: with one shared s, XLA would store s as another
+    # [tokens, F] array (or, without any barrier, keep the forward's copy between the passes).
+    g, u = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    da = da.astype(jnp.float32)
+    g1, u1, da1 = jax.lax.optimization_barrier((g, u, da))
+    g2, da2 = jax.lax.optimization_barrier((g, da))
+    s1, s2 = jax.nn.sigmoid(g1), jax.nn.sigmoid(g2)
+    grad = jnp.concatenate([da1 * s1 * (u1 * (1.0 + g1 * (1.0 - s1))), da2 * s2 * g2], axis=-1)
+    return (grad.astype(gate_up.dtype),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
