@@ -75,9 +75,18 @@ class _Spec(NamedTuple):
 
 
 def _logits(spec: _Spec, h2: jax.Array, w_c: jax.Array) -> jax.Array:
-    """z = (h2 @ w_c) / temperature: [M, D] x [D, C] in the compute dtype, float32 result."""
-    z = jnp.dot(h2.astype(spec.dtype), w_c.astype(spec.dtype), preferred_element_type=jnp.float32)
+    """z = (h2 @ w_c) / temperature: [M, D] x [D, C] (h2 already in the compute dtype), float32 result."""
+    z = jnp.dot(h2, w_c.astype(spec.dtype), preferred_element_type=jnp.float32)
     return z * spec.inv_temp if spec.inv_temp != 1.0 else z
+
+
+def _chunk(w: jax.Array, c: jax.Array, C: int):
+    """Chunk c of the [D, V] matrix: (its columns [D, C], their ids [C], and a mask [C] of the ids no
+    earlier chunk covered, or None when C divides V). The last chunk starts at V - C, not past V."""
+    V = w.shape[1]
+    start = jnp.minimum(c * C, V - C)
+    col = start + jnp.arange(C, dtype=jnp.int32)
+    return jax.lax.dynamic_slice_in_dim(w, start, C, axis=1), col, (col >= c * C if V % C else None)
 
 
 def _moments(z: jax.Array, m: jax.Array, with_pi2: bool) -> tuple:
@@ -105,13 +114,10 @@ def _forward(spec: _Spec, h2: jax.Array, w: jax.Array, targets: jax.Array):
 
     def body(carry, c):
         m, se, sz, zk, s2, s2z = carry
-        chunk_start = c * C
-        start = jnp.minimum(chunk_start, V - C)
-        z = _logits(spec, h2, jax.lax.dynamic_slice_in_dim(w, start, C, axis=1))
-        col = start + jnp.arange(C, dtype=jnp.int32)
+        w_c, col, fresh = _chunk(w, c, C)
+        z = _logits(spec, h2, w_c)
         hit = col == targets[:, None]
-        if V % C:  # the last chunk starts at V - C: drop the columns an earlier chunk covered
-            fresh = col >= chunk_start
+        if fresh is not None:  # drop the columns an earlier chunk covered
             z, hit = jnp.where(fresh, z, _NEG), hit & fresh
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         shift = m - m_new
@@ -150,7 +156,7 @@ def _token_stats(spec: _Spec, hidden, w_out, targets):
 
 def _token_stats_fwd(spec: _Spec, hidden, w_out, targets):
     N, T, D = hidden.shape
-    h2 = hidden.reshape(N * T, D)
+    h2 = hidden.reshape(N * T, D).astype(spec.dtype)
     stats, logits = _forward(spec, h2, w_out, targets.reshape(N * T))
     log_probs, entropy, pi2_dev, log_z = _finish(spec, stats)
     out = tuple(x.reshape(N, T) for x in (log_probs, entropy, pi2_dev))
@@ -170,7 +176,7 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
     g_lp, g_h, _ = cotangents
     N, T, D = hidden.shape
     M, V, C = N * T, w_out.shape[1], spec.chunk
-    h2 = hidden.reshape(M, D)
+    h2 = hidden.reshape(M, D).astype(spec.dtype)
     tgt = targets.reshape(M, 1)
     g_lp, g_h, log_z, ent = (x.reshape(M, 1).astype(jnp.float32) for x in (g_lp, g_h, log_z, entropy))
 
@@ -183,7 +189,7 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
     def grads(dz, w_c):
         dz = dz.astype(spec.dtype)
         dh = jnp.dot(dz, w_c.astype(spec.dtype).T, preferred_element_type=jnp.float32)
-        dw = jnp.dot(h2.astype(spec.dtype).T, dz, preferred_element_type=jnp.float32)
+        dw = jnp.dot(h2.T, dz, preferred_element_type=jnp.float32)
         return dh, dw
 
     if C == V:
@@ -191,14 +197,12 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
     else:
         def body(carry, c):
             dh, dw = carry
-            chunk_start = c * C
-            start = jnp.minimum(chunk_start, V - C)
-            w_c = jax.lax.dynamic_slice_in_dim(w_out, start, C, axis=1)
-            col = start + jnp.arange(C, dtype=jnp.int32)[None]
-            dz = dlogits(_logits(spec, h2, w_c), col)
-            if V % C:
-                dz = jnp.where(col >= chunk_start, dz, 0.0)
+            w_c, col, fresh = _chunk(w_out, c, C)
+            dz = dlogits(_logits(spec, h2, w_c), col[None])
+            if fresh is not None:
+                dz = jnp.where(fresh[None], dz, 0.0)
             dh_c, dw_c = grads(dz, w_c)
+            start = col[0]
             dw = jax.lax.dynamic_update_slice_in_dim(dw, jax.lax.dynamic_slice_in_dim(dw, start, C, 1) + dw_c,
                                                      start, axis=1)
             return (dh + dh_c, dw), None
