@@ -4,7 +4,7 @@ python -m stare_jax.train --config configs/quickstart.py --workdir runs/quicksta
 
 Every setting below was chosen by measurement on 2 CPU cores (docs/entropy_study.md): with them
 GRPO-ds (configs/quickstart_grpo.py) visibly collapses its entropy within the run and STARE holds it
-in the target band. The whole run, warm start included, takes about 6 minutes on 2 shared CPU cores.
+in the target band. The whole run, warm start included, takes about 2 minutes on 2 CPU cores.
 """
 
 from stare_jax.config import default_config
@@ -15,8 +15,8 @@ def get_config():
 
     # --- run length and budget
     c.total_steps = 300                  # GRPO-ds (lr 1e-3) falls below 0.5 H_tgt around step 150: room to see it
-    c.checkpoint_every = 50              # resumable, without slowing a ~0.5 s step much
-    c.data.prompt_batch_size = 16        # 16 prompts x 8 responses = 128 responses/step: ~0.5 s/step on 2 CPUs
+    c.checkpoint_every = 50              # resumable, without slowing a ~0.2 s step much
+    c.data.prompt_batch_size = 16        # 16 prompts x 8 responses = 128 responses/step: ~0.2 s/step on 2 CPUs
     c.rollout.group_size = 8             # the paper's group size; also the k of the reported pass@k
     c.data.num_train = 10000             # ~ the prompts 300 steps draw (repeats after); TFDS generation ~30 s
 
@@ -25,7 +25,7 @@ def get_config():
     c.data.countdown_max_numbers = 3     #   valid answers per prompt, learnable by a 2-layer d=64 model
     c.data.countdown_max_number = 9
     c.data.countdown_max_target = 30
-    c.warmstart.steps = 400              # ~90-130 s of SFT: RL starts at ~30% sampled accuracy (band 10-70%), H ~0.7
+    c.warmstart.steps = 400              # ~25-30 s of SFT: RL starts at ~30% sampled accuracy (band 10-70%), H ~0.7
     c.dynamic_sampling.max_num_gen_batches = 200  # a collapsed GRPO policy keeps only ~4% of groups (all 8
                                                   # answers equal otherwise): 10 and 40 batches aborted runs
 
