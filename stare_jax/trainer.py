@@ -158,8 +158,8 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
         raise DynamicSamplingError(
             f"dynamic sampling kept only {buffer.num_groups} of the {buffer.target} groups needed after "
             f"{gen_batches} generation batches (dynamic_sampling.max_num_gen_batches): almost every group has "
-            f"equal rewards. The task may be too easy or too hard for the policy; raise the limit, or set "
-            f"dynamic_sampling.enabled=False")
+            f"equal rewards. The task may be too easy or too hard for the policy; raise the limit (a run may "
+            f"resume from its last checkpoint with a higher one), or set dynamic_sampling.enabled=False")
     rewards = np.concatenate(all_rewards)
     lengths = np.concatenate(lengths)
     batch = buffer.take()

@@ -159,6 +159,9 @@ def test_incompatible_reward_change_is_allowed_only_for_resources(tiny_model):
     a = ckpt_lib.config_to_json(_config(model, data))
     b = ckpt_lib.config_to_json(_config(model, data, **{"reward.timeout_s": 3.0, "total_steps": 9}))
     assert ckpt_lib.incompatible_keys(a, b) == []
+    # The remedy for a run that aborted with DynamicSamplingError: raise the cap and resume.
+    raised = ckpt_lib.config_to_json(_config(model, data, **{"dynamic_sampling.max_num_gen_batches": 500}))
+    assert ckpt_lib.incompatible_keys(a, raised) == []
     c = ckpt_lib.config_to_json(_config(model, data, **{"stare.w": 2.0}))
     assert ckpt_lib.incompatible_keys(a, c) == ["stare.w"]
 
