@@ -40,6 +40,8 @@ def get_config():
     c.stare.variant = "C2"               # the L- quadrant (A<0, high surprisal) is the largest entropy sink here
     c.stare.top_p_ratio = 0.05           # with 4-token answers few T+ tokens have s > H (~3% of tokens):
                                          #   P=0.1 puts many low-surprisal tokens in L+, where W lowers entropy
+    c.stare.top_p_ratio_minus = 0.25     # but ~6% of tokens are (A<0, s>H), the largest entropy sink: L- at
+                                         #   P=0.05 (1.6%) muted a quarter of it, and W saturated at w_max
     c.stare.adaptive = True              # closed loop: raise W / lower M while H < H_tgt (robust over seeds)
     c.stare.w = 1.5                      # adaptive start values
     c.stare.m = 0.7

@@ -58,13 +58,15 @@ class Row:
 
 # The paper-default STARE rows pin every STARE key, so they do not depend on what the quickstart chose.
 _PAPER_O1 = (("loss.name", "stare"), ("stare.enabled", True), ("stare.variant", "O1"), ("stare.w", 1.1),
-             ("stare.m", 0.9), ("stare.top_p_ratio", 0.1), ("stare.adaptive", False))
+             ("stare.m", 0.9), ("stare.top_p_ratio", 0.1), ("stare.top_p_ratio_minus", 0.0),
+             ("stare.adaptive", False))
 ROWS: tuple[Row, ...] = (
     Row("grpo_ds", "GRPO-ds", QUICKSTART_GRPO),
     Row("stare_o1_paper", "STARE-O1 paper (W=1.1)", QUICKSTART, _PAPER_O1),
     Row("stare_c2_paper", "STARE-C2 paper (W=1.1, M=0.9)", QUICKSTART,
         _PAPER_O1[:2] + (("stare.variant", "C2"),) + _PAPER_O1[3:]),
     Row("stare_quickstart", "STARE quickstart", QUICKSTART),
+    Row("stare_qs_one_p", "STARE quickstart, one P (P- = P = 0.05)", QUICKSTART, (("stare.top_p_ratio_minus", 0.0),)),
     Row("stare_o1_adaptive", "STARE-O1 adaptive (W 1.1->w_max 1.5)", QUICKSTART,
         _PAPER_O1[:-1] + (("stare.adaptive", True), ("stare.alpha", 0.01), ("stare.w_max", 1.5),
                           ("stare.m_min", 0.5))),

@@ -36,6 +36,10 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "dynamic_sampling.max_num_gen_batches")
 
+# Keys added after runs were first saved, with the value that reproduces the behaviour from before
+# they existed: a saved config without such a key counts as holding that value.
+ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0}
+
 
 class IncompatibleCheckpointError(RuntimeError):
     """The workdir's checkpoint was written under a config this run may not continue."""
@@ -47,7 +51,9 @@ def config_to_json(config) -> dict[str, Any]:
 
 
 def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Config keys whose values differ between the saved run and this one, except resumable ones."""
+    """Config keys whose values differ between the saved run and this one, except resumable ones
+    (a key of `ADDED_KEYS` missing from `saved` counts as its old-behaviour value)."""
+    saved, current = {**ADDED_KEYS, **saved}, {**ADDED_KEYS, **current}
     keys = sorted(set(saved) | set(current))
     return [k for k in keys if saved.get(k) != current.get(k)
             and not any(k == p or (p.endswith(".") and k.startswith(p)) for p in RESUMABLE_CHANGES)]

@@ -107,6 +107,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.stare.enabled = True
     c.stare.variant = "O1"
     c.stare.top_p_ratio = 0.1
+    c.stare.top_p_ratio_minus = 0.0      # L-'s fraction of T- (C2); 0: top_p_ratio, as in the paper
     c.stare.w = 1.1
     c.stare.m = 0.9
     c.stare.target_entropy = 0.3
@@ -235,7 +236,7 @@ SCHEMA: dict[str, Field] = {
     "loss.kl_cov_ratio": _num(0.0, 1.0), "loss.kl_cov_coef": _num(0.0),
     "loss.kl_type": _choice("none", "k1", "k3", "low_var_kl"), "loss.kl_coef": _num(0.0),
     "stare.enabled": _BOOL, "stare.variant": _choice("O1", "C2"),
-    "stare.top_p_ratio": _num(0.0, 1.0, lo_open=True), "stare.w": _num(1.0), "stare.m": _num(0.0, 1.0),
+    "stare.top_p_ratio": _num(0.0, 1.0, lo_open=True), "stare.top_p_ratio_minus": _num(0.0, 1.0), "stare.w": _num(1.0), "stare.m": _num(0.0, 1.0),
     "stare.target_entropy": _num(0.0, None, lo_open=True), "stare.adaptive": _BOOL,
     "stare.alpha": _num(0.0), "stare.w_max": _num(1.0), "stare.m_min": _num(0.0, 1.0),
     "stare.selection_scope": _choice("global", "microbatch"),

@@ -25,6 +25,7 @@ def _load(capsys, *overrides):
     ("--config.stare.w=heavy", "stare.w"),                   # wrong type
     ("--config.seed=1.5", "seed"),                           # wrong type (float for int)
     ("--config.stare.top_p_ratio=1.5", "stare.top_p_ratio"), # out of range
+    ("--config.stare.top_p_ratio_minus=-0.1", "stare.top_p_ratio_minus"),
     ("--config.rollout.group_size=1", "rollout.group_size"), # group of one has no advantage
     ("--config.loss.name=ppo_magic", "loss.name"),           # unknown registry name
     ("--config.stare.variant=O3", "stare.variant"),

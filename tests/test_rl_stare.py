@@ -19,8 +19,9 @@ from stare_jax.rl.stare import ControllerState, controller_update, init_controll
 
 # ----------------------------------------------------------------------------- NumPy references
 
-def np_stare_weights(lp, adv, mask, *, P, W, M, variant, gate_on, groups=1):
-    """DESIGN.md steps 1-3, literally: per sign, top k = max(1, ceil(P|T| - 1e-6)) by surprisal."""
+def np_stare_weights(lp, adv, mask, *, P, W, M, variant, gate_on, groups=1, P_minus=None):
+    """DESIGN.md steps 1-3, literally: per sign, top k = max(1, ceil(P|T| - 1e-6)) by surprisal
+    (P_minus for T- when given)."""
     lp, mask = np.asarray(lp, np.float64), np.asarray(mask)
     adv = np.broadcast_to(np.asarray(adv, np.float64).reshape(lp.shape[0], -1), lp.shape)
     w = np.ones(lp.shape, np.float64)
@@ -36,7 +37,8 @@ def np_stare_weights(lp, adv, mask, *, P, W, M, variant, gate_on, groups=1):
             members = [i for i in range(lo, hi) if mask.reshape(-1)[i] > 0 and sign * adv.reshape(-1)[i] > 0]
             if not members:
                 continue
-            k = max(1, math.ceil(P * len(members) - 1e-6))
+            ratio = P if sign > 0 or not P_minus else P_minus
+            k = max(1, math.ceil(ratio * len(members) - 1e-6))
             chosen = sorted(members, key=lambda i: (-s[i], i))[:k]
             if sign > 0:
                 flat_w[chosen] = W
@@ -118,6 +120,23 @@ def test_stare_weights_match_numpy(variant, seed, ties):
         want = np_stare_weights(lp, adv, mask, P=P_ratio, W=1.1, M=0.9, variant=variant, gate_on=True)
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed,ties", [(0, False), (1, True)])
+def test_separate_lminus_fraction_matches_numpy(seed, ties):
+    """stare.top_p_ratio_minus sizes L- alone: L+ keeps P, L- takes the top P- of T-; 0 means P."""
+    lp, adv, mask = random_case(seed, ties=ties)
+    for P_ratio, P_minus in ((0.05, 0.25), (0.3, 0.1), (0.1, 1.0)):
+        got = np.asarray(stare_weights(lp, adv, mask, top_p_ratio=P_ratio, w=1.3, m=0.4, variant="C2",
+                                       gate_on=True, top_p_ratio_minus=P_minus))
+        want = np_stare_weights(lp, adv, mask, P=P_ratio, W=1.3, M=0.4, variant="C2", gate_on=True, P_minus=P_minus)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+        plain = np_stare_weights(lp, adv, mask, P=P_ratio, W=1.3, M=0.4, variant="C2", gate_on=True)
+        np.testing.assert_array_equal(got == np.float32(1.3), plain == 1.3)  # L+ unchanged
+        assert (got == np.float32(0.4)).sum() != (plain == 0.4).sum()        # L- resized
+    same = stare_weights(lp, adv, mask, top_p_ratio=0.2, w=1.3, m=0.4, variant="C2", gate_on=True, top_p_ratio_minus=0.0)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(
+        stare_weights(lp, adv, mask, top_p_ratio=0.2, w=1.3, m=0.4, variant="C2", gate_on=True)))
 
 
 def test_stare_rules_ceil_at_least_one_and_sign_partition():

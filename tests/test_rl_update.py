@@ -294,3 +294,19 @@ def test_shared_prompt_settings_default_and_validate():
     del config["update"]
     config["ppo"] = {"share_prompt": False}
     assert RLSettings.from_config(config).share_prompt is False
+
+
+def test_lminus_fraction_is_its_own_config_key(mesh8, step_acc1):
+    """stare.top_p_ratio_minus = 1 puts every negative-advantage token in L- (so M weighs all of T-),
+    while L+ keeps stare.top_p_ratio's size."""
+    config, step = step_acc1
+    wide = make_config(**{"stare.top_p_ratio_minus": 1.0})
+    wide_step = make_update_step(wide, mesh8, fresh_state(wide, mesh8))
+    batch = make_batch()
+    _, m = step(fresh_state(config, mesh8), parallel.shard_batch(batch, mesh8), jax.random.key(0))
+    _, mw = wide_step(fresh_state(wide, mesh8), parallel.shard_batch(batch, mesh8), jax.random.key(0))
+    negative = np.repeat(np.asarray(group_advantages(jnp.asarray(batch["rewards"]), G)) < 0, R)
+    valid = batch["response_mask"].reshape(-1) > 0
+    assert float(mw["stare_lminus_frac"]) == pytest.approx((negative & valid).sum() / valid.sum(), abs=1e-6)
+    assert float(mw["stare_lminus_frac"]) > float(m["stare_lminus_frac"]) > 0
+    assert float(mw["stare_lplus_frac"]) == float(m["stare_lplus_frac"])

@@ -129,8 +129,11 @@ def test_mean_sd_and_rows():
     assert entropy_study.mean_sd([1.0, None, 3.0]) == (2.0, pytest.approx(np.sqrt(2.0)), 2)
     assert entropy_study.mean_sd([0.5])[1] == 0.0
     names = [r.name for r in entropy_study.ROWS]
-    assert names[0] == "grpo_ds" and len(set(names)) == len(names) == 7
+    assert names[0] == "grpo_ds" and len(set(names)) == len(names) == 8
     paper = dict(entropy_study.ROW_BY_NAME["stare_c2_paper"].overrides)
     assert paper["stare.variant"] == "C2" and paper["stare.w"] == 1.1 and paper["stare.m"] == 0.9
     assert paper["stare.top_p_ratio"] == 0.1 and paper["stare.adaptive"] is False
+    assert paper["stare.top_p_ratio_minus"] == 0.0  # the paper's one P, whatever the quickstart sets
+    adaptive = dict(entropy_study.ROW_BY_NAME["stare_o1_adaptive"].overrides)
+    assert adaptive["stare.adaptive"] is True and adaptive["stare.top_p_ratio_minus"] == 0.0
     assert dict(entropy_study.ROW_BY_NAME["stare_o1_paper"].overrides)["stare.variant"] == "O1"

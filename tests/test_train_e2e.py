@@ -162,6 +162,11 @@ def test_incompatible_reward_change_is_allowed_only_for_resources(tiny_model):
     # The remedy for a run that aborted with DynamicSamplingError: raise the cap and resume.
     raised = ckpt_lib.config_to_json(_config(model, data, **{"dynamic_sampling.max_num_gen_batches": 500}))
     assert ckpt_lib.incompatible_keys(a, raised) == []
+    # A run saved before stare.top_p_ratio_minus existed resumes under its old-behaviour value only.
+    older = {k: v for k, v in a.items() if k != "stare.top_p_ratio_minus"}
+    assert ckpt_lib.incompatible_keys(older, a) == []
+    resized = ckpt_lib.config_to_json(_config(model, data, **{"stare.top_p_ratio_minus": 0.25}))
+    assert ckpt_lib.incompatible_keys(older, resized) == ["stare.top_p_ratio_minus"]
     c = ckpt_lib.config_to_json(_config(model, data, **{"stare.w": 2.0}))
     assert ckpt_lib.incompatible_keys(a, c) == ["stare.w"]
 

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "stare.enabled": True,
     "stare.variant": "O1",
     "stare.top_p_ratio": 0.1,
+    "stare.top_p_ratio_minus": 0.0,
     "stare.w": 1.1,
     "stare.m": 0.9,
     "stare.target_entropy": 0.3,
@@ -128,6 +129,7 @@ class StareSettings:
     enabled: bool = True
     variant: str = "O1"
     top_p_ratio: float = 0.1
+    top_p_ratio_minus: float = 0.0  # L-'s fraction of T-; 0: top_p_ratio
     w: float = 1.1
     m: float = 0.9
     target_entropy: float = 0.3
@@ -199,7 +201,8 @@ class RLSettings:
         st = StareSettings(
             enabled=bool(g("stare.enabled")) or name == "stare",
             variant=_choice("stare.variant", str(g("stare.variant")), stare.VARIANTS),
-            top_p_ratio=float(g("stare.top_p_ratio")), w=float(g("stare.w")), m=float(g("stare.m")),
+            top_p_ratio=float(g("stare.top_p_ratio")), top_p_ratio_minus=float(g("stare.top_p_ratio_minus")),
+            w=float(g("stare.w")), m=float(g("stare.m")),
             target_entropy=float(g("stare.target_entropy")), adaptive=bool(g("stare.adaptive")),
             alpha=float(g("stare.alpha")), w_max=float(g("stare.w_max")), m_min=float(g("stare.m_min")),
             selection_scope=_choice("stare.selection_scope", str(g("stare.selection_scope")), stare.SELECTION_SCOPES),
@@ -224,4 +227,7 @@ class RLSettings:
                 raise ValueError(f"{key} must be >= 1, got {value}")
         if not 0.0 < out.stare.top_p_ratio <= 1.0:
             raise ValueError(f"stare.top_p_ratio must be in (0, 1], got {out.stare.top_p_ratio}")
+        if not 0.0 <= out.stare.top_p_ratio_minus <= 1.0:
+            raise ValueError(f"stare.top_p_ratio_minus must be in [0, 1] (0: top_p_ratio), got "
+                             f"{out.stare.top_p_ratio_minus}")
         return out

@@ -4,7 +4,8 @@ Per update step:
 
     s_t = -log pi(o_t)                                  (stop-gradient; it only selects)
     T+ = {valid t : A_t > 0},  T- = {valid t : A_t < 0}  (A = 0 is in neither)
-    L+ = top-k of T+ by s, k = max(1, ceil(P |T+| - 1e-6)); L- likewise in T-; empty if the set is
+    L+ = top-k of T+ by s, k = max(1, ceil(P |T+| - 1e-6)); L- likewise in T- with P- (default P,
+         as in the paper; a separate P- is this project's extension); empty if the set is
     w_t = W on L+, else 1                                (variant O1)
     w_t = W on L+, M on L-, else 1                       (variant C2)
     all w_t = 1 when the gate is off                     (exactly GRPO)
@@ -48,8 +49,10 @@ VARIANTS: dict[str, Callable] = {"O1": _weights_o1, "C2": _weights_c2}
 
 
 def stare_sets(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, *, top_p_ratio: float,
-               selection_scope: str = "global", num_microbatches: int = 1) -> tuple[jax.Array, jax.Array]:
-    """(L+, L-) boolean masks [B, T]: the top-P-by-surprisal tokens of T+ and of T-.
+               selection_scope: str = "global", num_microbatches: int = 1,
+               top_p_ratio_minus: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """(L+, L-) boolean masks [B, T]: the top-P-by-surprisal tokens of T+ and the top-P- of T-
+    (P- = `top_p_ratio_minus`, default P).
 
     `selection_scope="global"` ranks over the whole array; `"microbatch"` splits the leading axis
     into `num_microbatches` contiguous equal chunks and selects inside each (the reference code's
@@ -69,26 +72,29 @@ def stare_sets(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, *, 
     t_plus = valid & (adv > 0)
     t_minus = valid & (adv < 0)
     lplus = select_top_fraction(surprisal, t_plus, top_p_ratio, num_groups=groups)
-    lminus = select_top_fraction(surprisal, t_minus, top_p_ratio, num_groups=groups)
+    lminus = select_top_fraction(surprisal, t_minus, top_p_ratio if not top_p_ratio_minus else top_p_ratio_minus,
+                                 num_groups=groups)
     return lplus, lminus
 
 
 def stare_weights(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, *, top_p_ratio: float,
                   w, m, variant: str, gate_on, selection_scope: str = "global",
-                  num_microbatches: int = 1) -> jax.Array:
+                  num_microbatches: int = 1, top_p_ratio_minus: float | None = None) -> jax.Array:
     """STARE token weights, float32 [B, T] (contract 1).
 
     `advantages` is per token [B, T] (or per sequence [B]); `w`, `m`, `gate_on` may be traced
-    scalars. With the gate off every weight is 1. See the module docstring for the rule.
+    scalars. With the gate off every weight is 1. See the module docstring for the rule;
+    `top_p_ratio_minus` (None or 0: `top_p_ratio`) sizes L- separately.
     """
     weights, _, _ = stare_weights_and_sets(
         log_probs, advantages, mask, top_p_ratio=top_p_ratio, w=w, m=m, variant=variant, gate_on=gate_on,
-        selection_scope=selection_scope, num_microbatches=num_microbatches)
+        selection_scope=selection_scope, num_microbatches=num_microbatches, top_p_ratio_minus=top_p_ratio_minus)
     return weights
 
 
 def stare_weights_and_sets(log_probs, advantages, mask, *, top_p_ratio: float, w, m, variant: str, gate_on,
-                           selection_scope: str = "global", num_microbatches: int = 1):
+                           selection_scope: str = "global", num_microbatches: int = 1,
+                           top_p_ratio_minus: float | None = None):
     """(weights, L+, L-) — `stare_weights` plus the selected sets (for metrics).
 
     The sets are reported whether or not the gate is on; the weights are all 1 when it is off.
@@ -96,7 +102,8 @@ def stare_weights_and_sets(log_probs, advantages, mask, *, top_p_ratio: float, w
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     lplus, lminus = stare_sets(log_probs, advantages, mask, top_p_ratio=top_p_ratio,
-                               selection_scope=selection_scope, num_microbatches=num_microbatches)
+                               selection_scope=selection_scope, num_microbatches=num_microbatches,
+                               top_p_ratio_minus=top_p_ratio_minus)
     weights = VARIANTS[variant](lplus, lminus, w, m)
     weights = jnp.where(jnp.asarray(gate_on, bool), weights, jnp.float32(1.0)).astype(jnp.float32)
     return weights, lplus, lminus

@@ -128,7 +128,8 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
     if st.enabled:
         weights, lplus, lminus = stare_weights_and_sets(
             log_probs, advantages, mask, top_p_ratio=st.top_p_ratio, w=new.w, m=new.m, variant=st.variant,
-            gate_on=new.gate_on, selection_scope=st.selection_scope, num_microbatches=selection_groups)
+            gate_on=new.gate_on, selection_scope=st.selection_scope, num_microbatches=selection_groups,
+            top_p_ratio_minus=st.top_p_ratio_minus)
         lplus, lminus = lplus & new.gate_on, lminus & new.gate_on
     else:
         weights = jnp.ones_like(log_probs)
