@@ -4,7 +4,8 @@ Rollout and reward are `stare_jax.trainer.collect_batch` (the jitted KV-cache sa
 isolated reward pool), the update is `stare_jax.rl.make_update_step` (one jitted forward + backward +
 AdamW with STARE weights inside), exactly as `stare_jax.train` runs them. The workload's `loss`
 ("stare" or "grpo") picks the loss registry entry; STARE runs the quickstart's adaptive C2 setting
-(controller update included), the most expensive variant.
+(controller update included), the most expensive variant, with one selection fraction for L+ and L-
+(P = 0.05; the quickstart's larger P- = 0.25 changes which tokens L- holds, not the selection's cost).
 
 With `paired_grpo` in the workload the worker also keeps a second train state with the plain GRPO
 loss and times its update on the same batch right after (every other step: right before) the
