@@ -50,9 +50,9 @@ VARIANTS: dict[str, Callable] = {"O1": _weights_o1, "C2": _weights_c2}
 
 def stare_sets(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, *, top_p_ratio: float,
                selection_scope: str = "global", num_microbatches: int = 1,
-               top_p_ratio_minus: float | None = None) -> tuple[jax.Array, jax.Array]:
+               top_p_ratio_minus: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """(L+, L-) boolean masks [B, T]: the top-P-by-surprisal tokens of T+ and the top-P- of T-
-    (P- = `top_p_ratio_minus`, default P).
+    (P- = `top_p_ratio_minus`; 0 means P).
 
     `selection_scope="global"` ranks over the whole array; `"microbatch"` splits the leading axis
     into `num_microbatches` contiguous equal chunks and selects inside each (the reference code's
@@ -72,19 +72,18 @@ def stare_sets(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, *, 
     t_plus = valid & (adv > 0)
     t_minus = valid & (adv < 0)
     lplus = select_top_fraction(surprisal, t_plus, top_p_ratio, num_groups=groups)
-    lminus = select_top_fraction(surprisal, t_minus, top_p_ratio if not top_p_ratio_minus else top_p_ratio_minus,
-                                 num_groups=groups)
+    lminus = select_top_fraction(surprisal, t_minus, top_p_ratio_minus or top_p_ratio, num_groups=groups)
     return lplus, lminus
 
 
 def stare_weights(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, *, top_p_ratio: float,
                   w, m, variant: str, gate_on, selection_scope: str = "global",
-                  num_microbatches: int = 1, top_p_ratio_minus: float | None = None) -> jax.Array:
+                  num_microbatches: int = 1, top_p_ratio_minus: float = 0.0) -> jax.Array:
     """STARE token weights, float32 [B, T] (contract 1).
 
     `advantages` is per token [B, T] (or per sequence [B]); `w`, `m`, `gate_on` may be traced
     scalars. With the gate off every weight is 1. See the module docstring for the rule;
-    `top_p_ratio_minus` (None or 0: `top_p_ratio`) sizes L- separately.
+    `top_p_ratio_minus` (0: `top_p_ratio`) sizes L- separately.
     """
     weights, _, _ = stare_weights_and_sets(
         log_probs, advantages, mask, top_p_ratio=top_p_ratio, w=w, m=m, variant=variant, gate_on=gate_on,
@@ -94,7 +93,7 @@ def stare_weights(log_probs: jax.Array, advantages: jax.Array, mask: jax.Array, 
 
 def stare_weights_and_sets(log_probs, advantages, mask, *, top_p_ratio: float, w, m, variant: str, gate_on,
                            selection_scope: str = "global", num_microbatches: int = 1,
-                           top_p_ratio_minus: float | None = None):
+                           top_p_ratio_minus: float = 0.0):
     """(weights, L+, L-) — `stare_weights` plus the selected sets (for metrics).
 
     The sets are reported whether or not the gate is on; the weights are all 1 when it is off.
