@@ -27,6 +27,9 @@ The last line printed is one JSON object:
         process, alternating which runs first: medians over rounds of STARE update / GRPO update - 1,
         and of (STARE update - GRPO update) / STARE step (the rollout does not depend on the loss)
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
+    host_cpu: the host CPU's model name; each participant's `matmul_peak_gflops` is its own
+        framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
+        for TRL): ratios between frameworks depend on the host as much as on the code
 
     python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
@@ -200,7 +203,7 @@ def main() -> None:
     result.update(shape=shape, workload="large" if args.large else "default", steps=args.steps,
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / ours["median_update_s"] / (peak * 1e9), 3),
-                  participants=summaries, cpu_count=os.cpu_count(),
+                  participants=summaries, host_cpu=common.host_cpu(), cpu_count=os.cpu_count(),
                   load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2),
                   cpu_steal_frac=round((stat_after[1] - stat_before[1]) / max(1, stat_after[0] - stat_before[0]), 3))
     if args.peer:

@@ -21,6 +21,9 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     ours = out["participants"]["stare-jax"]
     assert ours["steps"] == 2 and ours["loss"] == "stare"
     assert 0 < out["update_mfu"] < 1
+    # The framework's own float32 matmul peak and the host it was measured on (ratios depend on both).
+    assert ours["matmul_peak_gflops"] == out["matmul_peak_gflops"] > 0
+    assert isinstance(out["host_cpu"], str) and out["host_cpu"]
     assert out["median_step_s"] >= out["median_update_s"]
     # --grpo: the plain-GRPO update is timed on the same batches in the same worker.
     assert out["grpo_median_update_s"] > 0

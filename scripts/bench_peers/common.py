@@ -109,6 +109,43 @@ class StepClock:
                 "step_s": step_s, "tokens": self.tokens, "peak_rss_mb": peak_rss_mb()}
 
 
+def matmul_peak_gflops(make_product, sizes=(512, 1024, 2048), repeats: int = 5) -> float:
+    """A framework's measured float32 matmul peak on this host: the best GFLOP/s (2 n^3 / time) of an
+    n x n @ n x n product over `sizes`, best of `repeats` each. `make_product(n)` returns a function
+    that computes one such product and returns when it is done (its first call, untimed, may compile)."""
+    best = 0.0
+    for n in sizes:
+        product = make_product(n)
+        product()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            product()
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
+    return round(best, 1)
+
+
+def jax_matmul(n: int):
+    """`matmul_peak_gflops`'s product for JAX: a jitted float32 n x n matmul on the default device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    return lambda: f(a, a).block_until_ready()
+
+
+def host_cpu() -> str:
+    """The host CPU's model name (from /proc/cpuinfo; "unknown" where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

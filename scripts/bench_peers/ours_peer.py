@@ -51,24 +51,6 @@ def bench_config(workload: dict):
     return c
 
 
-def matmul_peak_gflops(sizes=(512, 1024, 2048), repeats: int = 5) -> float:
-    """The machine's measured float32 matmul peak: the best GFLOP/s (2 n^3 / time) of a jitted
-    n x n @ n x n product over `sizes`, best of `repeats` each."""
-    import jax
-    import jax.numpy as jnp
-
-    best = 0.0
-    for n in sizes:
-        a = jnp.ones((n, n), jnp.float32)
-        f = jax.jit(lambda x, y: x @ y)
-        f(a, a).block_until_ready()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f(a, a).block_until_ready()
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0) / 1e9)
-    return round(best, 1)
-
-
 def main() -> None:
     workload = common.workload_from_argv()
     import jax
@@ -145,7 +127,7 @@ def main() -> None:
         one_step()  # compiles the sampler and the update step
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
-                     "matmul_peak_gflops": matmul_peak_gflops()})
+                     "matmul_peak_gflops": common.matmul_peak_gflops(common.jax_matmul)})
         for _ in common.commands():
             common.send(one_step())
 

@@ -133,6 +133,13 @@ def time_rollout(trainer: GRPOTrainer, workload: dict, clock: common.StepClock) 
     trainer._generate_and_score_completions = timed
 
 
+def torch_matmul(n: int):
+    """`common.matmul_peak_gflops`'s product for PyTorch: a float32 n x n matmul on the CPU (the BLAS
+    that the trainer's linear layers use)."""
+    a = torch.ones(n, n)
+    return lambda: a @ a
+
+
 class CommandGate(TrainerCallback):
     """Blocks after each optimizer step until the driver's next command. After the first (warm-up)
     step it prints ready; after each later step, that step's timings. Stops training on exit / EOF."""
@@ -153,7 +160,8 @@ class CommandGate(TrainerCallback):
             self.warming_up = False
             common.send({"ready": True, "framework": "trl", "torch_threads": torch.get_num_threads(),
                          "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                         "optimizer": args.optim, "warmup_s": time.perf_counter() - self.train_start})
+                         "optimizer": args.optim, "warmup_s": time.perf_counter() - self.train_start,
+                         "matmul_peak_gflops": common.matmul_peak_gflops(torch_matmul)})
         else:
             common.send(self.clock.report())
         cmd = next(self.commands, None)

@@ -156,7 +156,8 @@ def batches(workload: dict, learner: TimedGRPOLearner, clock: common.StepClock):
         yield batch()
     finish_step(clock, model)
     common.send({"ready": True, "framework": "tunix", "weights": "checkpoint", "warmup_steps": WARMUP_STEPS,
-                 "weight_sync": learner.should_sync_weights, "async_rollout": learner.can_enable_async_rollout})
+                 "weight_sync": learner.should_sync_weights, "async_rollout": learner.can_enable_async_rollout,
+                 "matmul_peak_gflops": common.matmul_peak_gflops(common.jax_matmul)})
     for _ in common.commands():
         clock.begin()
         yield batch()
