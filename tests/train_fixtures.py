@@ -28,3 +28,9 @@ def nan_sometimes(response: str, ground_truth: str) -> float:
 def overflow_reward(response: str, ground_truth: str) -> float:
     """Finite rewards so large (+-3e38) that float32 group statistics overflow: a non-finite loss."""
     return 3e38 if len(response) % 2 else -3e38
+
+
+def length_parity(response: str, ground_truth: str) -> float:
+    """1.0 when the response has an even number of characters: rewards with spread whatever the model
+    writes, so a short run of a real model has non-zero advantages."""
+    return float(len(response) % 2 == 0)
