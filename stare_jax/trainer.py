@@ -251,7 +251,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
         for di, (name, source) in enumerate(sorted(eval_sources.items())):
-            rows = []
+            rows, samples = [], []
             it = make_eval_iterator(source, tokenizer=tokenizer, batch_size=batch,
                                     max_prompt_len=config.data.max_prompt_len, prompt_style=prompt_style(config),
                                     instruction=prompt_instruction(config), limit=config.eval.max_prompts)
@@ -271,11 +271,28 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
                 scores, _ = pool.score(texts, list(np.repeat(np.asarray(prompts["ground_truth"]), n)))
                 correct = (np.asarray(scores).reshape(-1, n) >= 0.5)[np.asarray(prompts["valid"])]
                 rows.append(correct)
+                if bi == 0:
+                    samples = eval_samples(prompts, texts, scores, n)
             # every process evaluated its own prompts: gather the per-prompt counts
             counts = np.concatenate(rows).sum(axis=1) if rows else np.zeros((0,), int)
             counts = _gather_ragged(counts)
             results[name] = summarize((np.arange(n)[None, :] < counts[:, None]).astype(np.float32))
+            results[name]["samples"] = samples
     return results
+
+
+def eval_samples(prompts: dict, texts: list[str], scores, n: int, num_prompts: int = 4, per_prompt: int = 2
+                 ) -> list[dict]:
+    """A few evaluation responses to show what the policy writes: the first `per_prompt` responses of
+    the first `num_prompts` prompts of a batch, with their rewards."""
+    out = []
+    for i in range(min(num_prompts, len(prompts["question"]))):
+        if not bool(np.asarray(prompts["valid"])[i]):
+            continue
+        out.append({"question": str(prompts["question"][i]), "ground_truth": str(prompts["ground_truth"][i]),
+                    "responses": [{"text": texts[i * n + j], "reward": float(scores[i * n + j])}
+                                  for j in range(min(per_prompt, n))]})
+    return out
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -412,7 +429,7 @@ def _run_eval(config, model, tokenizer, eval_sources, base_key, step, workdir, e
         ckpt_lib.write_json_atomic(os.path.join(workdir, "eval", f"step_{step}.json"),
                                    {"step": step, "results": results, "eval_s": time.perf_counter() - t0})
     return {f"eval/{name}/{k}": v for name, r in results.items() for k, v in r.items()
-            if k not in ("num_prompts", "n", "num_correct")}
+            if k not in ("num_prompts", "n", "num_correct", "samples")}
 
 
 # ----------------------------------------------------------------------------- trained policies

@@ -256,6 +256,9 @@ def test_evaluate_writes_avg_and_pass_at_k_matching_hand_computation(reference_r
     c = np.asarray(result["num_correct"])
     assert result["n"] == 4 and result["num_prompts"] == 8 == len(c)
     assert result["avg@4"] == pytest.approx(c.sum() / 32)
+    samples = result["samples"]  # what the policy writes, for the reader of the eval file
+    assert len(samples) == 4 and all(s["question"] and len(s["responses"]) == 2 for s in samples)
+    assert all(r["reward"] in (0.0, 1.0) and isinstance(r["text"], str) for s in samples for r in s["responses"])
     # pass@k by hand: 1 - C(n - c, k) / C(n, k).
     from math import comb
     for k in (1, 2, 4):
