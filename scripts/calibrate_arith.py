@@ -24,6 +24,7 @@ LEVELS = {
     "word-1op": dict(min_ops=1, max_ops=1, word_frac=1.0),
     "word-1op+dist": dict(min_ops=1, max_ops=1, word_frac=1.0, distractors=1),
     "word-2op": dict(min_ops=2, max_ops=2, word_frac=1.0),
+    "word-1-2op": dict(min_ops=1, max_ops=2, word_frac=1.0),
     "mix-1-2op": dict(min_ops=1, max_ops=2, word_frac=0.5),
 }
 INSTRUCTIONS = {
