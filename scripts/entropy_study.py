@@ -74,6 +74,13 @@ ROWS: tuple[Row, ...] = (
         (("loss.name", "entropy_bonus"), ("loss.entropy_coef", 0.01))),
     Row("forking_tokens", "forking tokens (rho=0.2)", QUICKSTART_GRPO,
         (("loss.name", "forking_tokens"), ("loss.forking_rho", 0.2))),
+    # the polarity-entropy family (issue 18), on GRPO-ds's settings with their papers' defaults
+    Row("hapo", "HAPO (alpha=0.2, phi=2)", QUICKSTART_GRPO,
+        (("loss.name", "hapo"), ("loss.hapo_alpha", 0.2), ("loss.hapo_phi", 2.0))),
+    Row("entropy_advantage", "EntroAdv (alpha=0.4, kappa=2)", QUICKSTART_GRPO,
+        (("loss.name", "entropy_advantage"), ("loss.entropy_adv_alpha", 0.4), ("loss.entropy_adv_kappa", 2.0))),
+    Row("w_reinforce", "W-REINFORCE (lambda=0.1)", QUICKSTART_GRPO,
+        (("loss.name", "w_reinforce"), ("loss.w_reinforce_lambda", 0.1))),
 )
 ROW_BY_NAME = {r.name: r for r in ROWS}
 CORE_ROWS = ("grpo_ds", "stare_quickstart")

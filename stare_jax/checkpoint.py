@@ -38,7 +38,10 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.
-ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0}
+ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
+              # the polarity-entropy family (issue 18): their defaults leave earlier methods unchanged
+              "loss.hapo_alpha": 0.2, "loss.hapo_phi": 2.0, "loss.entropy_adv_alpha": 0.4,
+              "loss.entropy_adv_kappa": 2.0, "loss.w_reinforce_lambda": 0.1, "loss.quadrants": ""}
 
 
 class IncompatibleCheckpointError(RuntimeError):

@@ -16,7 +16,9 @@ from typing import Any, Callable, Sequence
 
 import ml_collections
 
-LOSS_NAMES = ("grpo", "stare", "entropy_bonus", "forking_tokens", "clip_cov", "kl_cov")
+LOSS_NAMES = ("grpo", "stare", "entropy_bonus", "forking_tokens", "clip_cov", "kl_cov", "hapo", "entropy_advantage",
+              "w_reinforce")
+QUADRANT_NAMES = ("PHR", "PLR", "NLR", "NHR")  # polarity (positive/negative) x entropy (high/low), arXiv 2604.11056
 DATASETS = ("countdown", "arith", "math")
 REWARDS = ("countdown", "math", "final_answer")
 
@@ -112,6 +114,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.loss.kl_cov_coef = 1.0
     c.loss.kl_type = "none"              # none | k1 | k3 | low_var_kl (to a frozen reference policy)
     c.loss.kl_coef = 0.0
+    c.loss.hapo_alpha = 0.2              # hapo: A + alpha sign(A) clip(z_H, -|A|/phi, |A|/phi) (arXiv 2604.11056)
+    c.loss.hapo_phi = 2.0
+    c.loss.entropy_adv_alpha = 0.4       # entropy_advantage: A + min(alpha H, |A|/kappa) (arXiv 2506.14758)
+    c.loss.entropy_adv_kappa = 2.0
+    c.loss.w_reinforce_lambda = 0.1      # w_reinforce: weight of correct responses (arXiv 2506.01347)
+    c.loss.quadrants = ""                # keep only these polarity-entropy quadrants in the policy gradient,
+                                         #   e.g. "PHR,NHR" ("" = all tokens); combines with every loss.name
 
     c.stare = ml_collections.ConfigDict()
     c.stare.enabled = True
@@ -176,6 +185,32 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 # ----------------------------------------------------------------------------- schema
+
+def parse_quadrants(text: str) -> tuple[str, ...]:
+    """`loss.quadrants` as a tuple of names in QUADRANT_NAMES order ("" -> (), meaning all tokens).
+
+    Comma-separated, case-insensitive, spaces ignored; raises ValueError on an unknown name or on a
+    non-empty text that lists none (e.g. ",").
+    """
+    if not text.strip():
+        return ()
+    names = [n.strip().upper() for n in text.split(",")]
+    unknown = [n for n in names if n and n not in QUADRANT_NAMES]
+    if unknown:
+        raise ValueError(f"unknown quadrant {unknown[0]!r}")
+    chosen = {n for n in names if n}
+    if not chosen:
+        raise ValueError("no quadrant listed")
+    return tuple(q for q in QUADRANT_NAMES if q in chosen)
+
+
+def _quadrants_ok(text: str) -> bool:
+    try:
+        parse_quadrants(text)
+    except ValueError:
+        return False
+    return True
+
 
 @dataclasses.dataclass(frozen=True)
 class Field:
@@ -250,6 +285,12 @@ SCHEMA: dict[str, Field] = {
     "loss.clip_cov_ratio": _num(0.0, 1.0), "loss.clip_cov_lb": _num(), "loss.clip_cov_ub": _num(),
     "loss.kl_cov_ratio": _num(0.0, 1.0), "loss.kl_cov_coef": _num(0.0),
     "loss.kl_type": _choice("none", "k1", "k3", "low_var_kl"), "loss.kl_coef": _num(0.0),
+    "loss.hapo_alpha": _num(0.0, None, lo_open=True), "loss.hapo_phi": _num(0.0, None, lo_open=True),
+    "loss.entropy_adv_alpha": _num(0.0, None, lo_open=True), "loss.entropy_adv_kappa": _num(0.0, None, lo_open=True),
+    "loss.w_reinforce_lambda": _num(0.0, 1.0),
+    "loss.quadrants": Field(str, check=_quadrants_ok,
+                            describe="'' (all tokens) or a comma-separated subset of "
+                                     + ", ".join(repr(q) for q in QUADRANT_NAMES)),
     "stare.enabled": _BOOL, "stare.variant": _choice("O1", "C2"),
     "stare.top_p_ratio": _num(0.0, 1.0, lo_open=True), "stare.top_p_ratio_minus": _num(0.0, 1.0),
     "stare.w": _num(1.0), "stare.m": _num(0.0, 1.0),

@@ -33,6 +33,13 @@ def _load(capsys, *overrides):
     ("--config.ppo.num_minibatches=3", "ppo.num_minibatches"),  # does not divide the batch
     ("--config.mesh.cpu_devices=-1", "mesh.cpu_devices"),
     ("--config.ppo.share_prompt=maybe", "ppo.share_prompt"),
+    ("--config.loss.hapo_alpha=0", "loss.hapo_alpha"),       # issue 18: alpha <= 0
+    ("--config.loss.hapo_phi=-2", "loss.hapo_phi"),          # phi <= 0
+    ("--config.loss.entropy_adv_alpha=0", "loss.entropy_adv_alpha"),
+    ("--config.loss.entropy_adv_kappa=-1", "loss.entropy_adv_kappa"),
+    ("--config.loss.w_reinforce_lambda=1.5", "loss.w_reinforce_lambda"),
+    ("--config.loss.quadrants=PHR,HIGH", "loss.quadrants"),  # unknown quadrant name
+    ("--config.loss.quadrants=,", "loss.quadrants"),         # empty after parsing
 ])
 def test_bad_config_exits_2_naming_the_key(capsys, override, key):
     code, err = _load(capsys, override)
@@ -40,6 +47,12 @@ def test_bad_config_exits_2_naming_the_key(capsys, override, key):
     assert len(err.splitlines()) == 1
     assert key in err
     assert "allowed" in err or "could not convert" in err or "invalid literal" in err
+
+
+def test_polarity_entropy_keys_accept_good_values():
+    c = config_lib.load_config_or_exit(["train", "--config", QUICKSTART, "--config.loss.name=hapo",
+                                        "--config.loss.quadrants=phr, NHR", "--config.loss.w_reinforce_lambda=0"])
+    assert c.loss.name == "hapo" and config_lib.parse_quadrants(c.loss.quadrants) == ("PHR", "NHR")
 
 
 def test_message_lists_allowed_values(capsys):

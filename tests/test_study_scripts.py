@@ -23,6 +23,7 @@ def _load(name):
 
 plot_metrics = _load("plot_metrics")
 entropy_study = _load("entropy_study")
+quadrant_study = _load("quadrant_study")
 
 QUADS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
@@ -129,7 +130,9 @@ def test_mean_sd_and_rows():
     assert entropy_study.mean_sd([1.0, None, 3.0]) == (2.0, pytest.approx(np.sqrt(2.0)), 2)
     assert entropy_study.mean_sd([0.5])[1] == 0.0
     names = [r.name for r in entropy_study.ROWS]
-    assert names[0] == "grpo_ds" and len(set(names)) == len(names) == 8
+    assert names[0] == "grpo_ds" and len(set(names)) == len(names) == 11
+    assert dict(entropy_study.ROW_BY_NAME["hapo"].overrides)["loss.name"] == "hapo"
+    assert {"entropy_advantage", "w_reinforce"} <= set(names)
     paper = dict(entropy_study.ROW_BY_NAME["stare_c2_paper"].overrides)
     assert paper["stare.variant"] == "C2" and paper["stare.w"] == 1.1 and paper["stare.m"] == 0.9
     assert paper["stare.top_p_ratio"] == 0.1 and paper["stare.adaptive"] is False
@@ -137,3 +140,27 @@ def test_mean_sd_and_rows():
     adaptive = dict(entropy_study.ROW_BY_NAME["stare_o1_adaptive"].overrides)
     assert adaptive["stare.adaptive"] is True and adaptive["stare.top_p_ratio_minus"] == 0.0
     assert dict(entropy_study.ROW_BY_NAME["stare_o1_paper"].overrides)["stare.variant"] == "O1"
+
+
+def test_quadrant_study_rows_findings_and_report(tmp_path):
+    assert [r.name for r in quadrant_study.ROWS] == ["grpo_ds", "q_phr", "q_plr", "q_nlr", "q_nhr"]
+    assert dict(quadrant_study.ROW_BY_NAME["q_nhr"].overrides) == {"loss.quadrants": "NHR"}
+    T, h_tgt, root = 40, 0.35, tmp_path / "q"
+    # (entropy level, acc0, acc1, avg@n, pass@k): PHR keeps H and generalises best, PLR collapses and
+    # gains least, NHR learns faster than NLR
+    runs = {"grpo_ds": (0.2, 0.3, 0.7, 0.5, 0.6), "q_phr": (0.6, 0.3, 0.6, 0.55, 0.7),
+            "q_plr": (0.05, 0.3, 0.32, 0.3, 0.35), "q_nlr": (0.4, 0.3, 0.5, 0.4, 0.5),
+            "q_nhr": (0.3, 0.3, 0.65, 0.45, 0.55)}
+    for row, (h, a0, a1, avg, pk) in runs.items():
+        for s in range(2):
+            fake_run(str(root / row / f"seed_{s}"), np.full(T, h) + 0.001 * s, acc0=a0, acc1=a1, eval_avg=avg,
+                     eval_pass=pk)
+    md, png = tmp_path / "q.md", tmp_path / "q.png"
+    text = quadrant_study.report(str(root), quadrant_study.ROWS, [0, 1], T, h_tgt, 8, str(png), str(md), None, "cmd")
+    assert png.exists() and md.read_text() == text and "PHR only" in text
+    assert text.count("- [x]") == 5 and "- [ ]" not in text
+    # a finding that does not repeat is reported as such
+    fake_run(str(root / "q_plr" / "seed_0"), np.full(T, 0.9), acc0=0.3, acc1=0.32, eval_avg=0.3, eval_pass=0.35)
+    fake_run(str(root / "q_plr" / "seed_1"), np.full(T, 0.9), acc0=0.3, acc1=0.32, eval_avg=0.3, eval_pass=0.35)
+    text = quadrant_study.report(str(root), quadrant_study.ROWS, [0, 1], T, h_tgt, 8, "", "", None, "cmd")
+    assert "- [ ] 1a." in text and "- [ ] 2a." in text and "- [x] 2b." in text

@@ -97,6 +97,36 @@ def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
     assert [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))] == list(range(7))
 
 
+@pytest.mark.parametrize("name, extra", [
+    # with the quickstart's STARE on, a quadrant restriction, and the micro-batched update path
+    ("hapo", {"loss.quadrants": "PHR,NHR", "ppo.grad_accum": 2}),
+    ("entropy_advantage", {}),
+    ("w_reinforce", {}),
+])
+def test_polarity_entropy_methods_train_and_resume_bitwise_after_a_kill(tiny_model, tmp_path, name, extra):
+    """Issue 18: each new method trains the quickstart config; a run SIGKILLed while saving step 4
+    resumes from step 2 and recomputes steps 2-3 bit for bit (rows compared with the killed process's)."""
+    model, data = tiny_model
+    workdir = str(tmp_path / "run")
+    overrides = tiny_overrides(model, data, **{"loss.name": name, "total_steps": 4, "checkpoint_every": 2, **extra})
+    r = run_train(workdir, overrides, **{ckpt_lib.FAULT_KILL_DURING_SAVE: "4"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    killed = comparable(read_jsonl(metrics))
+    assert [row["step"] for row in killed] == [0, 1, 2, 3]
+    r = run_train(workdir, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert comparable(read_jsonl(metrics)) == killed
+    quads = ("phr", "plr", "nlr", "nhr")
+    for row in killed:
+        assert np.isfinite(row["loss"]) and row["nonfinite_skipped"] == 0
+        assert sum(row[f"pe_quad_{q}_frac"] for q in quads) == pytest.approx(1.0, abs=1e-5)
+        mass = sum(row[f"pe_quad_{q}_mass"] for q in quads)  # 0: no advantage at all (every group tied)
+        assert mass == pytest.approx(1.0, abs=1e-5) or (mass == 0 and name != "w_reinforce")
+        if name == "hapo":
+            assert row["pe_quad_plr_mass"] == 0 and row["pe_quad_nlr_mass"] == 0
+
+
 # ----------------------------------------------------------------------------- bad input, in process
 
 def _config(model, data, **extra):

@@ -21,16 +21,26 @@ micro-batch's differentiable log-probs and entropy, its old log-probs, advantage
 weights (STARE's, or ones), an rng, the loss settings, and a stop-gradient `ScopeView` of the
 whole scope for rules that select tokens globally (forking tokens, Clip-Cov, KL-Cov). Metrics an
 entry returns must be additive over micro-batches (use `ctx.token_mean`).
+
+Methods that change the advantage itself (HAPO, EntroAdv, W-REINFORCE) also have an entry in
+`ADVANTAGE_RULES[name](settings, batch) -> [N, T]`: it sees the whole update batch in group order
+(`BatchView`: GRPO advantages, rewards, pre-update entropy and log-probs, mask, group size), runs
+once per step before the batch is split into micro-batches, and its result is the `advantages`
+every later stage sees (STARE selection, diagnostics, the loss). `loss.quadrants` likewise becomes a
+0/1 factor of the token weights (`quadrant_keep`), so it combines with every entry.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from stare_jax.rl.advantages import entropy_token_advantages, hapo_token_advantages, w_reinforce_token_advantages
+from stare_jax.rl.diagnostics import CORRECT_THRESHOLD
 from stare_jax.rl.selection import floor_count, select_top_fraction, select_top_k
 from stare_jax.rl.settings import LossSettings
 
@@ -306,6 +316,34 @@ def _kl_cov(ctx: LossContext):
     return loss, {"kl_cov_frac": ctx.token_mean(selected.astype(jnp.float32))}
 
 
+def _hapo(ctx: LossContext):
+    """HAPO / EAPO (arXiv 2604.11056): the GRPO-ds surrogate (token-mean, clip 0.2/0.28, no KL) on the
+    credit-assigned advantage A_CA = A + alpha sign(A) sg(clip((H - mu_H)/(sigma_H + eps), -|A|/phi,
+    |A|/phi)), alpha = `loss.hapo_alpha` (0.2), phi = `loss.hapo_phi` (2); see
+    `advantages.hapo_token_advantages`. A_CA arrives as `ctx.advantages` (`ADVANTAGE_RULES`)."""
+    return _grpo(ctx)
+
+
+def _entropy_advantage(ctx: LossContext):
+    """EntroAdv (Cheng et al. 2025, arXiv 2506.14758, the entropy-based advantage): the GRPO-ds surrogate
+    on A + min(alpha sg(H), |A| / kappa), alpha = `loss.entropy_adv_alpha`, kappa =
+    `loss.entropy_adv_kappa`; see `advantages.entropy_token_advantages`.
+
+    Defaults alpha = 0.4, kappa = 2: the values a public implementation (lucidrains' PPO/GRPO
+    trainers) attributes to the paper for GRPO (0.1 for PPO). The paper's own hyper-parameter table
+    could not be read here, so these are not confirmed from the paper's text.
+    """
+    return _grpo(ctx)
+
+
+def _w_reinforce(ctx: LossContext):
+    """W-REINFORCE (Zhu et al. 2025, arXiv 2506.01347): L = lambda L_PSR + L_NSR, i.e. the surrogate on
+    the advantage +lambda (correct response) / -1 (incorrect), lambda = `loss.w_reinforce_lambda`
+    (0.1); no group baseline, so `advantage.scale` does not apply. See
+    `advantages.w_reinforce_token_advantages`."""
+    return _grpo(ctx)
+
+
 POLICY_LOSSES: dict[str, Callable[[LossContext], tuple[jax.Array, dict]]] = {
     "grpo": _grpo,
     "stare": _stare,
@@ -313,7 +351,61 @@ POLICY_LOSSES: dict[str, Callable[[LossContext], tuple[jax.Array, dict]]] = {
     "forking_tokens": _forking_tokens,
     "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
+    "hapo": _hapo,
+    "entropy_advantage": _entropy_advantage,
+    "w_reinforce": _w_reinforce,
 }
+
+
+# ----------------------------------------------------------------------------- per-token advantage rules
+
+@flax.struct.dataclass
+class BatchView:
+    """The whole update batch in group order, stop-gradient: what an advantage rule may read.
+
+    `advantages` [N, T] are GRPO's (`group_advantages` broadcast over each response's tokens),
+    `rewards` [N], `entropy` / `log_probs` [N, T] the pre-update policy's, `mask` [N, T].
+    """
+
+    advantages: jax.Array
+    rewards: jax.Array
+    entropy: jax.Array
+    log_probs: jax.Array
+    mask: jax.Array
+    group_size: int = flax.struct.field(pytree_node=False)
+
+
+ADVANTAGE_RULES: dict[str, Callable[[LossSettings, BatchView], jax.Array]] = {
+    "hapo": lambda s, b: hapo_token_advantages(b.advantages, b.entropy, b.mask, group_size=b.group_size,
+                                               alpha=s.hapo_alpha, phi=s.hapo_phi),
+    "entropy_advantage": lambda s, b: entropy_token_advantages(b.advantages, b.entropy, b.mask,
+                                                               alpha=s.entropy_adv_alpha, kappa=s.entropy_adv_kappa),
+    "w_reinforce": lambda s, b: w_reinforce_token_advantages(b.rewards, b.mask, lam=s.w_reinforce_lambda,
+                                                             correct_threshold=CORRECT_THRESHOLD),
+}
+
+
+def token_advantages(settings: LossSettings, batch: BatchView) -> jax.Array:
+    """The per-token advantage [N, T] method `settings.name` trains on: its `ADVANTAGE_RULES` entry,
+    or GRPO's `batch.advantages` unchanged (the same array) for methods without one."""
+    rule = ADVANTAGE_RULES.get(settings.name)
+    if rule is None:
+        return batch.advantages
+    return jax.lax.stop_gradient(rule(settings, batch))
+
+
+def quadrant_keep(settings: LossSettings, quadrants: dict) -> Optional[jax.Array]:
+    """0/1 float [N, T]: the tokens of the `loss.quadrants` quadrants (None when all are kept).
+
+    Multiplied into the token weights, it drops the other tokens from the policy-gradient sum while
+    the aggregation's normaliser still counts every valid token: the losses restricted to each of
+    the four quadrants add up to the unrestricted loss (arXiv 2604.11056's controlled quadrant
+    interventions).
+    """
+    if not settings.quadrants:
+        return None
+    keep = functools.reduce(jnp.logical_or, [quadrants[q] for q in settings.quadrants])
+    return keep.astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- KL to a reference

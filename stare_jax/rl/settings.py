@@ -25,6 +25,12 @@ DEFAULTS: dict[str, Any] = {
     "loss.kl_cov_coef": 1.0,
     "loss.kl_type": "none",
     "loss.kl_coef": 0.0,
+    "loss.hapo_alpha": 0.2,
+    "loss.hapo_phi": 2.0,
+    "loss.entropy_adv_alpha": 0.4,
+    "loss.entropy_adv_kappa": 2.0,
+    "loss.w_reinforce_lambda": 0.1,
+    "loss.quadrants": "",
     "advantage.scale": "group",
     "advantage.eps": 1e-6,
     "stare.enabled": True,
@@ -97,6 +103,14 @@ def _choice(key: str, value: str, allowed) -> str:
     return value
 
 
+def _quadrants(text: str, parse) -> tuple:
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ValueError(f"loss.quadrants={text!r}: {e}; allowed: '' (all) or a comma-separated subset of "
+                         f"PHR, PLR, NLR, NHR") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
     """The `loss.*` keys: policy-loss name, aggregation, clip ranges and baseline coefficients."""
@@ -115,6 +129,12 @@ class LossSettings:
     kl_cov_coef: float = 1.0
     kl_type: str = "none"
     kl_coef: float = 0.0
+    hapo_alpha: float = 0.2
+    hapo_phi: float = 2.0
+    entropy_adv_alpha: float = 0.4
+    entropy_adv_kappa: float = 2.0
+    w_reinforce_lambda: float = 0.1
+    quadrants: tuple = ()  # polarity-entropy quadrants kept in the policy gradient; () = all tokens
 
     @property
     def uses_reference(self) -> bool:
@@ -182,6 +202,7 @@ class RLSettings:
     @classmethod
     def from_config(cls, config) -> "RLSettings":
         """Reads and validates the RL keys of an ml_collections ConfigDict (or nested dict)."""
+        from stare_jax.config import parse_quadrants
         from stare_jax.rl import losses, stare  # registries; imported late to avoid cycles
         from stare_jax.rl.advantages import ADVANTAGE_SCALES
 
@@ -197,6 +218,10 @@ class RLSettings:
             kl_cov_coef=float(g("loss.kl_cov_coef")),
             kl_type=_choice("loss.kl_type", str(g("loss.kl_type")), set(losses.KL_ESTIMATORS) | {"none"}),
             kl_coef=float(g("loss.kl_coef")),
+            hapo_alpha=float(g("loss.hapo_alpha")), hapo_phi=float(g("loss.hapo_phi")),
+            entropy_adv_alpha=float(g("loss.entropy_adv_alpha")), entropy_adv_kappa=float(g("loss.entropy_adv_kappa")),
+            w_reinforce_lambda=float(g("loss.w_reinforce_lambda")),
+            quadrants=_quadrants(str(g("loss.quadrants")), parse_quadrants),
         )
         st = StareSettings(
             enabled=bool(g("stare.enabled")) or name == "stare",
@@ -225,6 +250,13 @@ class RLSettings:
                            ("rollout.group_size", out.group_size)):
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
+        for key, value in (("loss.hapo_alpha", loss.hapo_alpha), ("loss.hapo_phi", loss.hapo_phi),
+                           ("loss.entropy_adv_alpha", loss.entropy_adv_alpha),
+                           ("loss.entropy_adv_kappa", loss.entropy_adv_kappa)):
+            if not value > 0.0:
+                raise ValueError(f"{key} must be > 0, got {value}")
+        if not 0.0 <= loss.w_reinforce_lambda <= 1.0:
+            raise ValueError(f"loss.w_reinforce_lambda must be in [0, 1], got {loss.w_reinforce_lambda}")
         if not 0.0 < out.stare.top_p_ratio <= 1.0:
             raise ValueError(f"stare.top_p_ratio must be in (0, 1], got {out.stare.top_p_ratio}")
         if not 0.0 <= out.stare.top_p_ratio_minus <= 1.0:

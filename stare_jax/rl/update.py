@@ -13,9 +13,12 @@ One step:
  1. A = group_advantages(rewards) (broadcast over each response's tokens).
  2. The pre-update policy's log-probs, entropy and Q = sum_j pi_j^2 (s_j - H) per response token,
     chunked over the vocabulary (`logprobs.token_stats`), float32.
- 3. H_bar = token mean of the entropy over all response tokens (stop-gradient);
-    controller <- controller_update(controller, H_bar); STARE weights from the pre-update
-    surprisal with the new gate / W / M (global selection by default); quadrant diagnostics.
+ 3. Over the whole batch in group order (`shape_batch`): the method's per-token advantage
+    (`losses.ADVANTAGE_RULES`: HAPO, EntroAdv, W-REINFORCE; GRPO's A otherwise), the
+    polarity-entropy quadrants and the `loss.quadrants` keep mask. Then H_bar = token mean of the
+    entropy over all response tokens (stop-gradient); controller <- controller_update(controller,
+    H_bar); STARE weights from the pre-update surprisal with the new gate / W / M (global selection
+    by default), times the keep mask; quadrant diagnostics of both kinds.
  4. For each of `ppo_epochs` x `num_minibatches` optimizer steps: the registry loss
     (`losses.policy_loss`), its gradient accumulated over `grad_accum` micro-batches with exact
     aggregation over the mini-batch, then clip_by_global_norm + AdamW.
@@ -57,9 +60,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stare_jax import parallel
 from stare_jax.models.decoder import positions_from_mask
 from stare_jax.rl.advantages import group_advantages
-from stare_jax.rl.diagnostics import quadrant_diagnostics
+from stare_jax.rl.diagnostics import polarity_entropy_diagnostics, polarity_entropy_quadrants, quadrant_diagnostics
 from stare_jax.rl.logprobs import TokenStats, token_stats
-from stare_jax.rl.losses import LossContext, ScopeView, policy_loss
+from stare_jax.rl.losses import (ADVANTAGE_RULES, BatchView, LossContext, ScopeView, policy_loss, quadrant_keep,
+                                 token_advantages)
 from stare_jax.rl.settings import RLSettings
 from stare_jax.rl.stare import ControllerState, controller_update, stare_weights_and_sets
 from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
@@ -109,14 +113,39 @@ class Prepared:
     metrics: dict
 
 
+def shape_batch(settings: RLSettings, advantages, rewards, log_probs, entropy, mask):
+    """(advantages [N, R], quadrants, keep) of a whole batch in group order, all stop-gradient.
+
+    `advantages` is the method's per-token advantage (`losses.token_advantages`; GRPO's `advantages`
+    itself for methods without an advantage rule), `quadrants` the polarity-entropy masks
+    (`diagnostics.polarity_entropy_quadrants`) and `keep` the `loss.quadrants` 0/1 mask (None: all
+    tokens). Without `rewards` ([N]) only methods that need neither are possible: (advantages,
+    None, None).
+    """
+    s = settings.loss
+    if rewards is None:
+        if s.name in ADVANTAGE_RULES or s.quadrants:
+            raise ValueError(f"loss.name={s.name!r} / loss.quadrants={s.quadrants!r} need the batch's rewards")
+        return advantages, None, None
+    sg = jax.lax.stop_gradient
+    rewards = jnp.asarray(rewards, jnp.float32)
+    entropy = sg(entropy)
+    quadrants = polarity_entropy_quadrants(rewards, entropy, mask, group_size=settings.group_size)
+    batch = BatchView(advantages=advantages, rewards=rewards, entropy=entropy, log_probs=sg(log_probs), mask=mask,
+                      group_size=settings.group_size)
+    return token_advantages(s, batch), quadrants, quadrant_keep(s, quadrants)
+
+
 def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, entropy, pi2_dev, advantages, mask,
-                 *, selection_groups: int = 1) -> Prepared:
+                 *, selection_groups: int = 1, quadrants: dict | None = None, keep=None) -> Prepared:
     """H_bar, controller update, STARE weights and diagnostics from pre-update statistics [M, R].
 
     `selection_groups` is the micro-batch count for `selection_scope="microbatch"` (rows are split
-    into that many contiguous chunks). Metrics: `entropy` (H_bar), `stare_gate_on`, `stare_w`,
-    `stare_m`, `stare_lplus_frac` / `stare_lminus_frac` (fraction of valid tokens selected into
-    L+ / L- this step; 0 when the gate is off or STARE is disabled) and the quadrant diagnostics.
+    into that many contiguous chunks). `quadrants` / `keep` (from `shape_batch`, same row order)
+    add the polarity-entropy metrics and multiply the weights by the keep mask. Metrics: `entropy`
+    (H_bar), `stare_gate_on`, `stare_w`, `stare_m`, `stare_lplus_frac` / `stare_lminus_frac`
+    (fraction of valid tokens selected into L+ / L- this step; 0 when the gate is off or STARE is
+    disabled), the surprisal quadrant diagnostics and `pe_quad_*` (with `quadrants`).
     """
     sg = jax.lax.stop_gradient
     log_probs, entropy = sg(log_probs), sg(entropy)
@@ -134,6 +163,8 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
     else:
         weights = jnp.ones_like(log_probs)
         lplus = lminus = jnp.zeros(log_probs.shape, bool)
+    if keep is not None:
+        weights = weights * keep
     metrics = {
         "entropy": h_bar,
         "stare_gate_on": new.gate_on.astype(jnp.float32),
@@ -143,18 +174,22 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
         "stare_lminus_frac": lminus.sum().astype(jnp.float32) / count,
     }
     metrics.update(quadrant_diagnostics(log_probs, entropy, pi2_dev, advantages, weights, mask))
+    if quadrants is not None:
+        metrics.update(polarity_entropy_diagnostics(quadrants, advantages, weights, mask))
     return Prepared(weights=weights, controller=new, metrics=metrics)
 
 
 def single_pass_loss_and_grad(settings: RLSettings, model, controller: ControllerState, *, input_ids,
                               attention_mask, response_mask, old_log_probs, advantages, rng,
-                              ref_log_probs=None, selection_groups: int = 1, prompt_groups: int = 1):
+                              ref_log_probs=None, selection_groups: int = 1, prompt_groups: int = 1,
+                              rewards=None):
     """One forward + backward over a whole batch (the on-policy path).
 
     Returns (loss, grads, metrics, prepared) where grads is an nnx.State of the model's Params,
-    `advantages` is per token [N, R] and entropy / selection / diagnostics come from the same
-    forward, stop-gradient; `prompt_groups` > 1 runs each shared prompt once (`response_token_stats`).
-    Pure: the model is not modified.
+    `advantages` is GRPO's per token [N, R] (rows group by group, `rewards` [N] beside them: the
+    method's advantage rule and the quadrants need them) and entropy / advantage shaping / selection
+    / diagnostics come from the same forward, stop-gradient; `prompt_groups` > 1 runs each shared
+    prompt once (`response_token_stats`). Pure: the model is not modified.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     R = response_mask.shape[1]
@@ -166,11 +201,12 @@ def single_pass_loss_and_grad(settings: RLSettings, model, controller: Controlle
         m = nnx.merge(graphdef, p, rest)
         stats = response_token_stats(m, input_ids, attention_mask, R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
                                      group_size=prompt_groups)
-        prep = prepare_step(settings, controller, stats.log_probs, stats.entropy, stats.pi2_dev, advantages, mask,
-                            selection_groups=selection_groups)
-        view = ScopeView(log_probs=sg(stats.log_probs)[None], old_log_probs=old[None], advantages=advantages[None],
+        adv, quadrants, keep = shape_batch(settings, advantages, rewards, stats.log_probs, stats.entropy, mask)
+        prep = prepare_step(settings, controller, stats.log_probs, stats.entropy, stats.pi2_dev, adv, mask,
+                            selection_groups=selection_groups, quadrants=quadrants, keep=keep)
+        view = ScopeView(log_probs=sg(stats.log_probs)[None], old_log_probs=old[None], advantages=adv[None],
                          mask=mask[None], entropy=sg(stats.entropy)[None])
-        ctx = LossContext(log_probs=stats.log_probs, old_log_probs=old, advantages=advantages, mask=mask,
+        ctx = LossContext(log_probs=stats.log_probs, old_log_probs=old, advantages=adv, mask=mask,
                           entropy=stats.entropy, token_weights=sg(prep.weights), rng=rng, view=view,
                           index=jnp.int32(0), settings=settings.loss, ref_log_probs=ref_log_probs)
         loss, metrics = policy_loss(ctx)
@@ -184,6 +220,11 @@ def _to_micro(x: jax.Array, K: int) -> jax.Array:
     """[N, ...] -> [K, N/K, ...] with micro-batch k = rows {i K + k}."""
     n = x.shape[0] // K
     return jnp.swapaxes(x.reshape((n, K) + x.shape[1:]), 0, 1)
+
+
+def _from_micro(x: jax.Array) -> jax.Array:
+    """Inverse of `_to_micro`: [K, N/K, ...] -> [N, ...] in the original row order."""
+    return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
 def _constrain_micro(x: jax.Array, mesh: Mesh) -> jax.Array:
@@ -231,7 +272,7 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
     def micro(x):
         return _constrain_micro(_to_micro(x, K), mesh)
 
-    ids_k, am_k, mask_k, adv_k, beh_k = micro(ids), micro(am), micro(mask), micro(adv), micro(behaviour)
+    ids_k, am_k, mask_k, beh_k = micro(ids), micro(am), micro(mask), micro(behaviour)
     ref_k = None
     if settings.loss.uses_reference:
         def ref_lp(xs):
@@ -257,7 +298,8 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         loss, grads, metrics, prep = single_pass_loss_and_grad(
             settings, ts.model, controller, input_ids=ids, attention_mask=am, response_mask=mask,
             old_log_probs=behaviour, advantages=adv, rng=rng_loss,
-            ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups, prompt_groups=shared)
+            ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups, prompt_groups=shared,
+            rewards=batch["rewards"])
         state, gnorm, ok = apply_grads(state, grads, loss)
         metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32)}
         all_ok = ok
@@ -272,8 +314,14 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
 
         lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
         flat = lambda x: x.reshape((K * n,) + x.shape[2:])  # noqa: E731  (micro-batch-major rows)
+        shaped_adv, quadrants, keep = shape_batch(settings, adv, batch["rewards"], _from_micro(lp0), _from_micro(ent0),
+                                                  mask)  # group order
+        adv_k = micro(shaped_adv)
+        if quadrants is not None:
+            quadrants = {q: flat(micro(v)) for q, v in quadrants.items()}
         prep = prepare_step(settings, controller, flat(lp0), flat(ent0), flat(pi2_0), flat(adv_k), flat(mask_k),
-                            selection_groups=groups)
+                            selection_groups=groups, quadrants=quadrants,
+                            keep=None if keep is None else flat(micro(keep)))
         old_k = lp0 if U > 1 else beh_k
         by_mb = lambda x: x.reshape((mb, acc) + x.shape[1:])  # noqa: E731
         w_k = prep.weights.reshape(K, n, R)

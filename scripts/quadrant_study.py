@@ -1,0 +1,195 @@
+"""The polarity-entropy quadrant intervention study (issue 18) in miniature, on the embedded countdown task.
+
+    python scripts/quadrant_study.py --root runs/quadrant_study [--seeds 0,1,2] [--rows a,b,...]
+        [--steps N] [--out docs/figures/quadrant_study.png] [--table docs/quadrant_study_table.md]
+        [--report-only] [--list] [--override key=value ...]
+
+The controlled interventions of "Rethinking Token-Level Credit Assignment in RLVR: A Polarity-Entropy
+Analysis" (arXiv 2604.11056): GRPO-ds (configs/quickstart_grpo.py) trained on all tokens, and on the
+tokens of one quadrant only (`loss.quadrants` = PHR, PLR, NLR or NHR: reward polarity x token entropy
+at or above the group's mean), with the token-mean normaliser of all valid tokens, so the four
+single-quadrant gradients add up to the full one. Same seeds, steps and batches for every row.
+
+Runs, resumption and reporting are those of scripts/entropy_study.py (one subprocess per run,
+skipped when finished, resumed from its checkpoint otherwise; one warm-started model per seed
+shared by every row). The report adds the paper's three findings, each checked on the means over
+seeds and stated as holding or not:
+
+  1. PHR-only keeps entropy (the highest last-half median entropy of the single quadrants) and
+     generalises best among them (the highest final avg@n, and pass@k);
+  2. PLR-only collapses entropy (the lowest last-half median of the single quadrants) and gains
+     least beyond the start (the smallest train-accuracy gain, last 10% minus first 10% of steps);
+  3. NHR learns faster than NLR (a higher mean train accuracy over the first half of the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_entropy_study():
+    spec = importlib.util.spec_from_file_location("_entropy_study", os.path.join(HERE, "entropy_study.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+es = _load_entropy_study()
+Row = es.Row
+QUADRANTS = ("PHR", "PLR", "NLR", "NHR")
+ROWS: tuple = (Row("grpo_ds", "GRPO-ds (all tokens)", es.QUICKSTART_GRPO),) + tuple(
+    Row(f"q_{q.lower()}", f"{q} only", es.QUICKSTART_GRPO, (("loss.quadrants", q),)) for q in QUADRANTS)
+ROW_BY_NAME = {r.name: r for r in ROWS}
+
+
+def _mean(agg: dict, row: str, key: str) -> float:
+    a = agg.get(row)
+    return float(a[key][0]) if a is not None and a[key][2] > 0 else float("nan")
+
+
+def first_half_accuracy(metric_rows: dict[str, list[list[dict]]], row: str) -> float:
+    """Mean over seeds of the mean train accuracy over the first half of each run's steps."""
+    vals = []
+    for rows in metric_rows.get(row, []):
+        acc = es._col(rows, "accuracy")
+        if acc.size:
+            vals.append(float(np.nanmean(acc[:max(1, acc.size // 2)])))
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def findings(agg: dict, metric_rows: dict) -> list[tuple[str, bool, str]]:
+    """The paper's three findings as (statement, holds here, detail); a missing row does not hold."""
+    singles = [f"q_{q.lower()}" for q in QUADRANTS]
+    if not all(r in agg for r in singles):
+        return [("quadrant findings", False, "not every single-quadrant row finished")]
+    h = {r: _mean(agg, r, "entropy_last_half_median") for r in singles}
+    avg = {r: _mean(agg, r, "avg@n") for r in singles}
+    pk = {r: _mean(agg, r, "pass@k") for r in singles}
+    gain = {r: _mean(agg, r, "accuracy_end") - _mean(agg, r, "accuracy_start") for r in singles}
+    fmt = lambda d: ", ".join(f"{r[2:].upper()} {v:.3f}" for r, v in d.items())  # noqa: E731
+    out = []
+    keeps = max(h, key=h.get) == "q_phr"
+    best = max(avg, key=avg.get) == "q_phr" and max(pk, key=pk.get) == "q_phr"
+    out.append(("1a. PHR-only keeps entropy best of the single quadrants (last-half median H)", keeps, fmt(h)))
+    out.append(("1b. PHR-only generalises best of the single quadrants (avg@n and pass@k)", best,
+                f"avg@n {fmt(avg)}; pass@k {fmt(pk)}"))
+    out.append(("2a. PLR-only collapses entropy most (lowest last-half median H)", min(h, key=h.get) == "q_plr",
+                fmt(h)))
+    out.append(("2b. PLR-only gains least beyond the start (train accuracy, last 10% - first 10%)",
+                min(gain, key=gain.get) == "q_plr", fmt(gain)))
+    nhr, nlr = first_half_accuracy(metric_rows, "q_nhr"), first_half_accuracy(metric_rows, "q_nlr")
+    out.append(("3. NHR learns faster than NLR (mean train accuracy, first half of the run)",
+                bool(np.isfinite(nhr) and np.isfinite(nlr) and nhr > nlr), f"NHR {nhr:.3f} vs NLR {nlr:.3f}"))
+    return out
+
+
+def report(root: str, rows: Sequence, seeds: Sequence[int], total_steps: int, target_entropy: float,
+           group_size: int, out_png: str, out_md: str, wall_s: float | None, command: str) -> str:
+    """Table (entropy study columns), the findings, and the figure (entropy trajectory, accuracy, evals)."""
+    summaries, metric_rows = es.collect(root, rows, seeds, total_steps, target_entropy, group_size)
+    summaries = {k: v for k, v in summaries.items() if v}
+    metric_rows = {k: v for k, v in metric_rows.items() if v}
+    labels = {r.name: r.label for r in rows}
+    agg = es.aggregate(summaries)
+    lines = [f"Command: `{command}`", "",
+             f"Seeds {', '.join(map(str, seeds))}; {total_steps} steps per run; GRPO-ds settings "
+             f"(configs/quickstart_grpo.py) with `loss.quadrants` per row.", "",
+             es.markdown_table(agg, labels, target_entropy), "", "The paper's findings, here:", ""]
+    lines += [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in findings(agg, metric_rows)]
+    pending = [f"{r.name} seed {s}" for r in rows for s in seeds
+               if not es.is_finished(os.path.join(root, r.name, f"seed_{s}"), total_steps)]
+    if pending:
+        lines.append(f"- not finished (left out above): {', '.join(pending)}")
+    if wall_s is not None:
+        lines.append(f"- study wall time (this invocation): {wall_s / 60:.1f} min")
+    text = "\n".join(lines) + "\n"
+    if out_md:
+        os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
+        with open(out_md, "w") as f:
+            f.write(text)
+    if out_png and metric_rows:
+        es.plot_study(metric_rows, agg, labels, target_entropy, out_png,
+                      title=f"quadrant interventions: {total_steps} steps, seeds {','.join(map(str, seeds))}")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default="runs/quadrant_study", help="directory of all the study's runs")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--rows", default=",".join(r.name for r in ROWS), help="comma-separated row names (--list)")
+    p.add_argument("--steps", type=int, default=None, help="total_steps of every run (default: the config's)")
+    p.add_argument("--out", default="docs/figures/quadrant_study.png")
+    p.add_argument("--table", default="", help="also write the Markdown report here (default: ROOT/table.md)")
+    p.add_argument("--report-only", action="store_true", help="do not train; summarise what has finished")
+    p.add_argument("--list", action="store_true", help="print the rows and exit")
+    p.add_argument("--override", action="append", default=[],
+                   help="extra --config.key=value for every run (repeatable; changes the study)")
+    a = p.parse_args(argv)
+    if a.list:
+        for r in ROWS:
+            print(f"{r.name:10s} {r.config:28s} {' '.join(r.args())}")
+        return 0
+    unknown = [n for n in a.rows.split(",") if n not in ROW_BY_NAME]
+    if unknown:
+        print(f"quadrant_study: unknown rows {unknown}; allowed: {', '.join(ROW_BY_NAME)}", file=sys.stderr)
+        return 2
+    rows = [ROW_BY_NAME[n] for n in a.rows.split(",")]
+    seeds = [int(s) for s in a.seeds.split(",") if s]
+    root = os.path.abspath(a.root)
+    os.makedirs(root, exist_ok=True)
+    base = es.load_base_config(es.QUICKSTART_GRPO)
+    total_steps = a.steps or base.total_steps
+    target_entropy = float(base.stare.target_entropy)
+    group_size = int(base.rollout.group_size)
+    extra = [o if o.startswith("--config.") else f"--config.{o}" for o in a.override]
+    command = "python scripts/quadrant_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = es.REPO + os.pathsep + env.get("PYTHONPATH", "")
+    logf = open(os.path.join(root, "study.log"), "a")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    t_start = time.time()
+    failed: list[str] = []
+    if not a.report_only:
+        jobs = [(r, s) for s in seeds for r in rows]  # seed-major: an interrupted study has whole seeds
+        log(f"quadrant study: {len(rows)} rows x {len(seeds)} seeds, {total_steps} steps each, root {root}")
+        for i, (row, seed) in enumerate(jobs, 1):
+            if es.is_finished(os.path.join(root, row.name, f"seed_{seed}"), total_steps):
+                log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: finished, reused")
+                continue
+            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: running ...")
+            try:
+                wall = es.run_one(row, seed, root, a.steps, extra, env, log, share_model=True)
+            except (RuntimeError, subprocess.CalledProcessError) as e:  # keep going; the report shows it
+                failed.append(f"{row.name} seed {seed}")
+                log(f"[{i}/{len(jobs)}] FAILED: {e}")
+                continue
+            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; elapsed {(time.time() - t_start) / 60:.1f} min")
+    wall = time.time() - t_start
+    text = report(root, rows, seeds, total_steps, target_entropy, group_size, a.out,
+                  a.table or os.path.join(root, "table.md"), None if a.report_only else wall, command)
+    print(text)
+    log(f"report of {root} written; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
