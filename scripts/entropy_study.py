@@ -371,14 +371,20 @@ def run_one(row: Row, seed: int, root: str, steps: int | None, extra: Sequence[s
     if steps:
         cmd.append(f"--config.total_steps={steps}")
     cmd += row.args() + list(extra)
+    return launch(cmd, run_dir, env, f"{row.name} seed {seed}")
+
+
+def launch(cmd: Sequence[str], run_dir: str, env: dict, name: str) -> float:
+    """Runs one training command (output appended to RUN_DIR/train.log), adds its wall time to
+    RUN_DIR/study_run.json and returns it; raises RuntimeError when it fails."""
     t0 = time.time()
     with open(os.path.join(run_dir, "train.log"), "a") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(list(cmd), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     wall = time.time() - t0
     if rc != 0:
-        raise RuntimeError(f"{row.name} seed {seed} failed with status {rc}; see {run_dir}/train.log")
+        raise RuntimeError(f"{name} failed with status {rc}; see {run_dir}/train.log")
     prev = 0.0
     try:
         with open(os.path.join(run_dir, "study_run.json")) as f:
@@ -386,7 +392,7 @@ def run_one(row: Row, seed: int, root: str, steps: int | None, extra: Sequence[s
     except (OSError, json.JSONDecodeError):
         pass
     with open(os.path.join(run_dir, "study_run.json"), "w") as f:
-        json.dump({"cmd": cmd, "wall_s": prev + wall}, f, indent=1)
+        json.dump({"cmd": list(cmd), "wall_s": prev + wall}, f, indent=1)
     return wall
 
 

@@ -227,23 +227,7 @@ def run_one(row: es.Row, seed: int, root: str, steps: int | None, env: dict) -> 
            f"--config.model.path={ensure_model(root, env)}"] + row.args()
     if steps:
         cmd.append(f"--config.total_steps={steps}")
-    t0 = time.time()
-    with open(os.path.join(run_dir, "train.log"), "a") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.time() - t0
-    if rc != 0:
-        raise RuntimeError(f"{row.name} seed {seed} failed with status {rc}; see {run_dir}/train.log")
-    prev = 0.0
-    try:
-        with open(os.path.join(run_dir, "study_run.json")) as f:
-            prev = json.load(f).get("wall_s", 0.0)
-    except (OSError, json.JSONDecodeError):
-        pass
-    with open(os.path.join(run_dir, "study_run.json"), "w") as f:
-        json.dump({"cmd": cmd, "wall_s": prev + wall}, f, indent=1)
-    return wall
+    return es.launch(cmd, run_dir, env, f"{row.name} seed {seed}")
 
 
 def report(root: str, jobs: Sequence[tuple[es.Row, int]], total_steps: int, target_entropy: float, group_size: int,

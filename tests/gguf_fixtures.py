@@ -12,15 +12,11 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
 
 
 def _byte_alphabet() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    """GPT-2's 256 byte-level characters, in byte order."""
+    from stare_jax.tasks.embedded import _byte_level_alphabet
+
+    table = _byte_level_alphabet()
+    return [table[b] for b in range(256)]
 
 
 def tokenizer_vocab() -> tuple[list[str], list[int], list[str]]:

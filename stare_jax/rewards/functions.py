@@ -40,15 +40,10 @@ def _parse_gold(ground_truth: str):
     return gold
 
 
-def math_reward(response: str, ground_truth: str) -> float:
-    """Math verifier: 1.0 iff the content of the response's last `\\boxed{}` is equivalent to the
-    reference answer by math-verify (`verify(parse(gold), parse(answer))`, gold first); 0.0
-    when there is no box or either side does not parse.
-
-    Uses `signal.alarm` inside math-verify: call it in a process's main thread (RewardPool does).
-    """
+def _verify(answer: str | None, ground_truth: str) -> float:
+    """1.0 iff `answer` (a final answer's text) is equivalent to the reference by math-verify
+    (`verify(parse(gold), parse(answer))`, gold first); 0.0 when either side is missing or unparsable."""
     from math_verify import parse, verify
-    answer = last_boxed(response)
     if answer is None or not answer.strip():
         return 0.0
     gold = _parse_gold(str(ground_truth))
@@ -60,21 +55,20 @@ def math_reward(response: str, ground_truth: str) -> float:
     return 1.0 if verify(gold, pred) else 0.0
 
 
+def math_reward(response: str, ground_truth: str) -> float:
+    """Math verifier: 1.0 iff the content of the response's last `\\boxed{}` is equivalent to the
+    reference answer by math-verify; 0.0 when there is no box or either side does not parse.
+
+    Uses `signal.alarm` inside math-verify: call it in a process's main thread (RewardPool does).
+    """
+    return _verify(last_boxed(response), ground_truth)
+
+
 def final_answer_reward(response: str, ground_truth: str) -> float:
     """Short-answer math verifier: 1.0 iff the response's final answer (its last `\\boxed{}`, else its
     last number; `stare_jax.rewards.extract.final_answer`) is equivalent to the reference answer by
     math-verify, as in `math_reward`; 0.0 when there is no number or either side does not parse."""
-    from math_verify import parse, verify
-    answer = final_answer(response)
-    if answer is None:
-        return 0.0
-    gold = _parse_gold(str(ground_truth))
-    if not gold:
-        return 0.0
-    pred = parse(f"\\boxed{{{answer}}}")
-    if not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred) else 0.0
+    return _verify(final_answer(response), ground_truth)
 
 
 REGISTRY: dict[str, str] = {
