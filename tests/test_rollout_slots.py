@@ -166,3 +166,22 @@ def test_config_key_rollout_slots(capsys):
         config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.slots=-2"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "rollout.slots" in err and len(err.splitlines()) == 1
+
+
+def test_bench_length_mix_has_the_recorded_ratio():
+    """scripts/bench_rollout_skew.py: the log-normal mix has p95 / p5 = 10 and p95 at the target."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "bench_rollout_skew.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_skew", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths, mix = bench.length_mix("lognormal", 100000, 10**6, ratio=10.0, p95=0.001, seed=3)
+    p5, p95 = np.percentile(lengths, [5, 95])
+    assert p95 / p5 == pytest.approx(10.0, rel=0.03) and p95 == pytest.approx(1000, rel=0.03)
+    assert mix["seed"] == 3 and mix["clipped"] == 0
+    again, _ = bench.length_mix("lognormal", 100000, 10**6, ratio=10.0, p95=0.001, seed=3)
+    np.testing.assert_array_equal(again, lengths)
+    fixed, _ = bench.length_mix("fixed", 5, 7, ratio=10.0, p95=0.5, seed=0)
+    assert fixed.tolist() == [7] * 5
