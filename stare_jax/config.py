@@ -85,6 +85,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
+    c.rollout.slots = 0                  # 0: static batch (all rows until the longest ends); S > 0: S decode
+                                         #   slots refilled with the next pending response (same responses)
 
     c.dynamic_sampling = ml_collections.ConfigDict()
     c.dynamic_sampling.enabled = True
@@ -274,6 +276,7 @@ SCHEMA: dict[str, Field] = {
     "rollout.group_size": _int(2, describe="an integer >= 2 (advantages are relative within a group)"),
     "rollout.max_new_tokens": _int(1), "rollout.temperature": _num(0.0, None, lo_open=True),
     "rollout.top_p": _num(0.0, 1.0, lo_open=True), "rollout.top_k": _int(0),
+    "rollout.slots": _int(0, describe="an integer >= 0 (0 = static batch, S = S refilled decode slots)"),
     "dynamic_sampling.enabled": _BOOL, "dynamic_sampling.max_num_gen_batches": _int(1),
     "reward.name": Field(str, check=lambda v: v in REWARDS or ":" in v,
                          describe="one of " + ", ".join(repr(r) for r in REWARDS) + " or 'module:function'"),

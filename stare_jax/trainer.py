@@ -174,7 +174,7 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
         result = generate(model, prompt_ids, prompt_mask, rng=parallel.replicated_key(jax.random.fold_in(key, gen), mesh), group_size=G,
                           max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
                           temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                          top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh)
+                          top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh, slots=config.rollout.slots)
         host = {k: parallel.to_host(v) for k, v in {
             "input_ids": result.tokens, "attention_mask": result.attention_mask,
             "response_mask": result.response_mask, "old_log_probs": result.log_probs,

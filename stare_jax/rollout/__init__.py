@@ -1,6 +1,7 @@
 """Grouped rollouts: the jitted KV-cache sampler (`generate`, contract 7 of DESIGN.md).
 
-Modules: `sampler` (the public entry point and the jitted rollout), `decode` (one decode step
+Modules: `sampler` (the public entry point and the jitted rollout), `slots` (the slot-refilling
+rollout of `generate(..., slots=S)` and its host-side `schedule`), `decode` (one decode step
 over the grouped KV cache), `sampling` (temperature / top-k / top-p / greedy token choice).
 """
 

@@ -80,12 +80,20 @@ def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: Prom
     `slot` of the current response block (`response`, per layer); the token attends to its
     prompt, to every slot of the earlier, full blocks `past[layer]` and to slots 0..slot of
     the current block. `rope`: a `rope_table` covering every position (read, not recomputed).
+
+    `slot` is one index for all rows (the grouped sampler, whose rows advance in lockstep) or an
+    int [N] array of one index per row (the slot-refilling sampler, whose rows are at different
+    steps of different responses; `prompt` then holds one prompt per row, B = N).
     """
     cfg, dtype = model.config, model.dtype
     x = jnp.take(model.embed[...], tokens, axis=0).astype(dtype)                      # [N, D]
     cos, sin = rope_angles(cfg, positions[:, None], rope)                                 # [N, 1, hd/2]
     length = response[0][1].shape[2]
-    response_bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
+    if jnp.ndim(slot) == 0:
+        response_bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
+    else:  # [N, 1, 1, S]: each row sees its own response so far
+        response_bias = jnp.where(jnp.arange(length)[None, :] <= slot[:, None], 0.0,
+                                  _MASK_VALUE).astype(jnp.float32)[:, None, None, :]
     new_response = []
     past = past or [[] for _ in layers]
     for p, prompt_kv, response_kv, past_kv in zip(layers, prompt.layers, response, past):
@@ -103,8 +111,13 @@ def _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt_bias, response_kv, resp
     q = q.reshape(N, K, H // K, hd)
     k = k.transpose(0, 2, 3, 1)                                           # [N, K, hd, 1]
     v = v.transpose(0, 2, 1, 3)                                           # [N, K, 1, hd]
-    k_cache = jax.lax.dynamic_update_slice(response_kv[0], k.astype(dtype), (0, 0, 0, slot))
-    v_cache = jax.lax.dynamic_update_slice(response_kv[1], v.astype(dtype), (0, 0, slot, 0))
+    if jnp.ndim(slot) == 0:
+        k_cache = jax.lax.dynamic_update_slice(response_kv[0], k.astype(dtype), (0, 0, 0, slot))
+        v_cache = jax.lax.dynamic_update_slice(response_kv[1], v.astype(dtype), (0, 0, slot, 0))
+    else:  # one slot per row: a scatter of N [K, hd] columns, in place inside the decode loop
+        rows = jnp.arange(N)
+        k_cache = response_kv[0].at[rows, :, :, slot].set(k[..., 0].astype(dtype), mode="promise_in_bounds")
+        v_cache = response_kv[1].at[rows, :, slot, :].set(v[:, :, 0].astype(dtype), mode="promise_in_bounds")
     attn = _grouped_attention(q, prompt_kv, prompt_bias, (k_cache, v_cache), response_bias, dtype, past_kv)
     x = attention_residual(p, x, attn.reshape(N, H * hd), dtype)
     return mlp_residual(cfg, p, x, dtype), (k_cache, v_cache)

@@ -23,6 +23,10 @@ function boundary, so there is no cache buffer to copy in, donate or copy out.
 Randomness: one uniform number per row and step, drawn up front as an [R, N] array from `rng`
 (see `sampling.choose_tokens`). With the default partitionable threefry the numbers depend only
 on the key and the shape, not on the sharding, so a mesh gives the rollouts of one device.
+
+`generate(..., slots=S)` runs the slot-refilling sampler of `stare_jax.rollout.slots` instead: S
+decode rows that each take the next pending response when theirs ends. It draws the same
+uniform for response r at token t, so it samples the same responses for the same key.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class RolloutSpec:
     sampling: SamplingParams
     mesh: Mesh | None = None
     decode_segments: int = 1
+    slots: int = 0  # 0: the grouped static sampler; S > 0: S refilled decode slots (`rollout.slots`)
 
 
 def auto_segments(max_new_tokens: int) -> int:
@@ -101,7 +106,7 @@ def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:
 def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_size: int, max_new_tokens: int,
              eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
              pad_id: int | None = None, mesh: Mesh | None = None,
-             decode_segments: int | None = None) -> RolloutResult:
+             decode_segments: int | None = None, slots: int = 0, stop_lengths=None) -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -115,6 +120,15 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
 
     With a mesh (`mesh=`, else `Policy.mesh`, else the one the parameters live on) the B*G rows
     are split over the ("data", "fsdp") axes, whose size must divide B*G.
+
+    `slots=S > 0` decodes with S slots that are refilled with the next pending response as soon
+    as theirs ends (`stare_jax.rollout.slots`; at most B*G are used) instead of B*G rows in
+    lockstep until the longest response ends: the same responses for the same key (randomness
+    belongs to the response, not the slot), in the same layout; `decode_segments` does not apply.
+    `stop_lengths` (int [B*G], optional, traced: new values do not recompile) ends response r after
+    at most `stop_lengths[r]` tokens as if by EOS: its last token is replaced by the first EOS id
+    (when there is one) and it counts as finished, not truncated. Benchmarks and tests use it to
+    set response lengths independently of the model.
     """
     model = getattr(policy, "model", policy)
     if not isinstance(model, Decoder):
@@ -133,10 +147,17 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
         raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
                          f"{max_new_tokens} and {spec.decode_segments}")
+    if isinstance(slots, bool) or int(slots) != slots or slots < 0:
+        raise ValueError(f"slots must be an integer >= 0 (0 = static batch), got {slots!r}")
     if np.ndim(prompt_ids) != 2 or np.shape(prompt_ids) != np.shape(prompt_mask) or np.shape(prompt_ids)[1] < 1:
         raise ValueError(f"prompt_ids and prompt_mask must both be [B, P] with P >= 1, got shapes "
                          f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
     rows = np.shape(prompt_ids)[0] * spec.group_size
+    if slots:
+        spec = dataclasses.replace(spec, slots=min(int(slots), rows), decode_segments=1)
+    if stop_lengths is not None and np.shape(stop_lengths) != (rows,):
+        raise ValueError(f"stop_lengths must have one entry per response, shape ({rows},), got "
+                         f"{np.shape(stop_lengths)}")
     if mesh is not None and rows % parallel.batch_divisor(mesh):
         raise ValueError(f"batch * group_size = {rows} rows is not divisible by the {parallel.batch_divisor(mesh)} "
                          f"batch shards of the mesh (data x fsdp of {dict(mesh.shape)})")
@@ -145,25 +166,37 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
             raise ValueError("rng is required unless greedy=True")
         rng = jax.random.key(0)
     inputs = (jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), rng)
+    if stop_lengths is not None:
+        inputs = (*inputs, jnp.asarray(stop_lengths, jnp.int32))
     if mesh is not None:
         inputs = jax.device_put(inputs, parallel.replicated(mesh))
     return _compiled_rollout(graphdef, spec)(state, *inputs)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_rollout(graphdef, spec: RolloutSpec):
-    """The jitted `grouped_rollout` for one model structure and spec (jit caches per input shape)."""
+def _compiled_rollout(graphdef, spec: RolloutSpec, with_steps: bool = False):
+    """The jitted rollout for one model structure and spec (jit caches per input shape):
+    `grouped_rollout`, or `slots.slot_rollout` when `spec.slots`. `with_steps` (slot sampler only)
+    makes it return (result, number of decode steps)."""
     out_shardings = None if spec.mesh is None else NamedSharding(spec.mesh, P(parallel.BATCH_AXES))
-    return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec), out_shardings=out_shardings)
+    if not spec.slots:
+        return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec), out_shardings=out_shardings)
+    from stare_jax.rollout.slots import slot_rollout
+
+    if with_steps and out_shardings is not None:
+        out_shardings = (out_shardings, parallel.replicated(spec.mesh))
+    return jax.jit(functools.partial(slot_rollout, graphdef, spec=spec, with_steps=with_steps),
+                   out_shardings=out_shardings)
 
 
 trace_count = 0  # times `grouped_rollout` has been traced (compiled); tests check that calls reuse it
 
 
-def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array, *,
-                    spec: RolloutSpec) -> RolloutResult:
+def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+                    stop_lengths: jax.Array | None = None, *, spec: RolloutSpec) -> RolloutResult:
     """Pure rollout of `nnx.merge(graphdef, state)`: prefill the [B, P] prompts once, then decode
-    up to R tokens for each of the G rows per prompt. Jit it with `graphdef` and `spec` static."""
+    up to R tokens for each of the G rows per prompt (response r stops after at most
+    `stop_lengths[r]` tokens, see `generate`). Jit it with `graphdef` and `spec` static."""
     global trace_count
     trace_count += 1
     model: Decoder = nnx.merge(graphdef, state)
@@ -181,6 +214,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     first_logits = rows(repeat(model.logits(hidden[:, -1])))
     prompt_mask = rows(repeat(prompt_mask))
     prompt_lengths = prompt_mask.sum(axis=1)
+    stop_lengths = None if stop_lengths is None else rows(stop_lengths)
     layers = layer_params(model)
     rope = rope_table(model.config, prompt_len + R)  # built once, outside the decode loops
 
@@ -191,10 +225,11 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
         """Chooses token t of every row from `logits` and writes it into the output buffers."""
         done, ids, mask, logps = outputs
         token = choose_tokens(logits, None if uniforms is None else uniforms[t], spec.sampling)
+        token, ends = finish_tokens(token, t, stop_lengths, spec.eos_ids)
         live = ~done
         token = jnp.where(live, token, spec.pad_id)
         logp = jnp.where(live, token_log_probs(logits, token), 0.0)
-        done = done | (live & _is_eos(token, spec.eos_ids))
+        done = done | (live & ends)
         outputs = (done, ids.at[:, t].set(token), mask.at[:, t].set(live.astype(jnp.int32)), logps.at[:, t].set(logp))
         return outputs, token
 
@@ -212,7 +247,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
 
         def keep_going(c, end=end):
             t, _, _, (done, *_) = c
-            if not spec.eos_ids:  # nothing can stop a row early: a fixed trip count, no global all(done)
+            if not spec.eos_ids and stop_lengths is None:  # nothing stops a row early: a fixed trip count
                 return (t < R) & (t <= end)
             return (t < R) & (t <= end) & ~jnp.all(done)
 
@@ -233,6 +268,19 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
                          attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
                          response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
                          prompt_len=prompt_len)
+
+
+def finish_tokens(token: jax.Array, t, stop_lengths: jax.Array | None, eos_ids: tuple[int, ...]
+                  ) -> tuple[jax.Array, jax.Array]:
+    """(token, ends) for tokens chosen at index `t` of their responses: `ends` is true where the
+    token is an EOS or the response reaches its stop length (t + 1 >= stop_lengths, per row),
+    where the token becomes the first EOS id (if any). Shared by the static and slot samplers."""
+    if stop_lengths is None:
+        return token, _is_eos(token, eos_ids)
+    forced = t + 1 >= stop_lengths
+    if eos_ids:
+        token = jnp.where(forced, eos_ids[0], token)
+    return token, forced | _is_eos(token, eos_ids)
 
 
 def _is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -270,4 +318,4 @@ def _constraint(mesh: Mesh | None, spec: P):
     return lambda x: jax.lax.with_sharding_constraint(x, sharding)
 
 
-__all__ = ["RolloutResult", "RolloutSpec", "generate", "grouped_rollout"]
+__all__ = ["RolloutResult", "RolloutSpec", "finish_tokens", "generate", "grouped_rollout"]

@@ -1,0 +1,190 @@
+"""Rollout throughput on a length-skewed batch: the static sampler vs slot-refilling (issue 20).
+
+Response lengths are fixed up front, independent of the model: drawn from a log-normal whose
+95th percentile is `--ratio` (default 10) times its 5th, scaled so that the 95th percentile is
+`--p95` x `--new-tokens`, rounded and clipped to [1, --new-tokens], from `--seed`
+(`--length-mix fixed` makes every response `--new-tokens` long instead). They are enforced by
+`generate(..., stop_lengths=...)` with no EOS ids: response r ends after exactly lengths[r]
+tokens in both samplers (one compare per row and step, the same cost in both), tokens are
+sampled at temperature 1 as usual. Both samplers produce the same responses (checked).
+
+Reports, in one JSON line printed last, per sampler: useful tokens/s (sum of the response
+lengths / median wall time), decode steps, and the share of idle slot-steps (rows or slots
+stepped while holding no unfinished response; from `stare_jax.rollout.slots.schedule`, which
+replays the assignment, and checked against the device's step count), plus the slot sampler's
+speed-up over static and the recorded length mix (seed, parameters, percentiles, realised
+p95/p5 ratio).
+
+    python scripts/bench_rollout_skew.py [--batch 64] [--group-size 8] [--new-tokens 256]
+        [--slots 32[,16]] [--length-mix lognormal|fixed] [--repeats 5] [--model HF_DIR]
+
+The default model is a random Qwen2-style decoder built in JAX (hidden 256, 4 layers, 4 heads /
+2 KV heads, vocab 1024, tied embeddings), the shape of `scripts/bench_rollout.py`; `--model`
+loads a Hugging Face directory instead (e.g. the converted SmolLM2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VOCAB = 1024
+Z95 = 1.6448536269514722  # standard normal 95th percentile
+
+
+def length_mix(kind: str, n: int, max_len: int, *, ratio: float, p95: float, seed: int) -> tuple[np.ndarray, dict]:
+    """(lengths int [n] in [1, max_len], record): the response lengths of the benchmark and what
+    reproduces them. Log-normal: sigma = ln(ratio) / (2 z_0.95), so p95 / p5 = ratio, and the
+    median puts the 95th percentile at p95 * max_len."""
+    if kind == "fixed":
+        return np.full(n, max_len, np.int64), {"dist": "fixed", "length": max_len}
+    sigma = np.log(ratio) / (2 * Z95)
+    median = p95 * max_len / np.exp(Z95 * sigma)
+    draw = np.random.default_rng(seed).lognormal(np.log(median), sigma, n)
+    lengths = np.clip(np.rint(draw), 1, max_len).astype(np.int64)
+    q = lambda p: float(np.percentile(lengths, p))  # noqa: E731
+    record = {"dist": "lognormal", "seed": seed, "ratio_p95_p5": ratio, "p95_target": round(p95 * max_len, 2),
+              "sigma": round(float(sigma), 4), "median": round(float(median), 2), "p5": q(5), "p50": q(50),
+              "p95": q(95), "max": int(lengths.max()), "mean": round(float(lengths.mean()), 2),
+              "clipped": int((draw >= max_len).sum()), "realised_ratio_p95_p5": round(q(95) / max(q(5), 1), 2)}
+    return lengths, record
+
+
+def random_model(dtype: str, seed: int = 0):
+    """A random Qwen2-style `Decoder` (the shape of scripts/bench_rollout.py), built in JAX."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from stare_jax.models.config import ModelConfig
+    from stare_jax.models.decoder import Decoder
+
+    cfg = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
+                      qkv_bias=True, max_position_embeddings=4096, pad_token_id=0)
+    return Decoder(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+
+
+def make_prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int = 0):
+    """Left-padded random prompts [num_prompts, prompt_len], lengths between prompt_len/2 and prompt_len."""
+    rs = np.random.RandomState(seed)
+    lengths = rs.randint(prompt_len // 2, prompt_len + 1, num_prompts)
+    mask = (np.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]).astype(np.int32)
+    ids = np.where(mask > 0, rs.randint(1, vocab, (num_prompts, prompt_len)), 0).astype(np.int32)
+    return ids, mask
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64, help="responses per call (prompts x group size)")
+    ap.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    ap.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens (the longest possible response)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="padded prompt length")
+    ap.add_argument("--slots", default="",
+                    help="comma-separated slot counts (default: batch / 2 for lognormal, batch for fixed)")
+    ap.add_argument("--length-mix", choices=("lognormal", "fixed"), default="lognormal")
+    ap.add_argument("--ratio", type=float, default=10.0, help="log-normal p95 / p5 length ratio")
+    ap.add_argument("--p95", type=float, default=0.5, help="log-normal p95 length as a fraction of --new-tokens")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the length draw")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs every sampler once)")
+    ap.add_argument("--model", default="", help="Hugging Face directory (default: a random Qwen2-style decoder)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--cpu-devices", type=int, default=1, help="JAX CPU devices (rows split over them when > 1)")
+    args = ap.parse_args()
+    if args.batch % args.group_size:
+        ap.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
+    if not (args.ratio > 1 and 0 < args.p95 <= 1):
+        ap.error("--ratio must be > 1 and --p95 in (0, 1]")
+    slot_counts = [int(s) for s in args.slots.split(",") if s] or [
+        args.batch if args.length_mix == "fixed" else max(1, args.batch // 2)]
+    if min(slot_counts) < 1:
+        ap.error("--slots must be positive")
+
+    from stare_jax import distributed, parallel
+
+    distributed.use_cpu_devices(args.cpu_devices)
+    import jax
+
+    from stare_jax.models import from_pretrained
+    from stare_jax.rollout import generate, sampler, slots
+
+    mesh = parallel.make_mesh(data=args.cpu_devices) if args.cpu_devices > 1 else None
+    if args.model:
+        policy = from_pretrained(args.model, dtype=args.dtype, mesh=mesh, load_tokenizer=False)
+        vocab = policy.model.config.vocab_size
+    else:
+        if mesh is not None:
+            ap.error("--cpu-devices > 1 needs --model (the random model is built on one device)")
+        policy, vocab = random_model(args.dtype), VOCAB
+    ids, mask = make_prompts(args.batch // args.group_size, args.prompt_len, vocab)
+    lengths, mix = length_mix(args.length_mix, args.batch, args.new_tokens, ratio=args.ratio, p95=args.p95,
+                              seed=args.seed)
+    kw = dict(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), temperature=1.0,
+              stop_lengths=lengths.astype(np.int32), pad_id=0)
+
+    def run(num_slots: int, seed: int):
+        out = generate(policy, ids, mask, rng=jax.random.key(seed), slots=num_slots, **kw)
+        return jax.block_until_ready(out)
+
+    names = {0: "static", **{s: f"slots{s}" for s in slot_counts}}
+    reference = run(0, 0)  # warm-up (compilation) and the responses every sampler must reproduce
+    got_lengths = np.asarray(reference.response_mask).sum(axis=1)
+    assert (got_lengths == lengths).all(), "stop_lengths did not set the response lengths"
+    same = True
+    device_steps = {}
+    for s in slot_counts:
+        out = run(s, 0)
+        same &= bool(np.array_equal(np.asarray(out.response_ids), np.asarray(reference.response_ids)))
+        model = getattr(policy, "model", policy)
+        from flax import nnx
+
+        graphdef, state = nnx.split(model)
+        spec = sampler.RolloutSpec(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0,
+                                   sampling=sampler.SamplingParams(), mesh=mesh, slots=min(s, args.batch))
+        _, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(0),
+                                                                   lengths.astype(np.int32))
+        device_steps[s] = int(steps)
+    times: dict[int, list[float]] = {s: [] for s in names}
+    order = list(names)
+    load_before = os.getloadavg()[0]
+    for r in range(args.repeats):
+        for s in (order if r % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            run(s, r + 1)
+            times[s].append(time.perf_counter() - t0)
+    load_after = os.getloadavg()[0]
+    useful = int(lengths.sum())
+    report = {"length_mix": mix, "batch": args.batch, "group_size": args.group_size,
+              "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "repeats": args.repeats,
+              "useful_tokens": useful, "same_responses": same}
+    static_tps = useful / statistics.median(times[0])
+    for s, name in names.items():
+        median = statistics.median(times[s])
+        plan = slots.schedule(lengths, s or args.batch)
+        entry = {"median_s": round(median, 4), "useful_tokens_per_s": round(useful / median, 1)}
+        if s == 0:
+            entry |= {"decode_steps": plan["static_decode_steps"], "rows": args.batch,
+                      "idle_share": round(plan["static_idle_share"], 4)}
+        else:
+            if plan["decode_steps"] != device_steps[s]:
+                raise AssertionError(f"schedule {plan['decode_steps']} != device {device_steps[s]} decode steps")
+            entry |= {"decode_steps": plan["decode_steps"], "rows": min(s, args.batch),
+                      "idle_share": round(plan["idle_share"], 4),
+                      "speedup_vs_static": round(useful / median / static_tps, 3)}
+        report[name] = entry
+    report |= {"model": args.model or "random-qwen2-256x4", "dtype": args.dtype, "devices": jax.device_count(),
+               "platform": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
+               "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
+               "jax": jax.__version__}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

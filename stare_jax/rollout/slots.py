@@ -1,0 +1,244 @@
+"""Slot-refilling (continuous-batching) rollouts: `generate(..., slots=S)`.
+
+The static sampler (`sampler.grouped_rollout`) decodes all N = B*G responses in lockstep and
+keeps stepping every row until the longest response ends: with lengths that vary 10x inside a
+batch most row-steps are spent on finished responses. Here a fixed number S of decode *slots*
+does the work. Each slot holds one response at a time, with its own prompt, position and KV
+cache; when its response ends (EOS, stop length or R tokens) the slot takes the next pending
+response in response order (the rest of the same group, then the next prompt's) in the same
+decode step, so no slot idles while responses are pending. One jitted `lax.while_loop` runs
+until every response has ended; every shape is static (S, R, P, B, N), so outcomes with other
+lengths reuse the compiled program.
+
+Same responses as the static sampler for the same key: randomness belongs to the response, not
+the slot. The [R, N] uniforms are drawn exactly as the static sampler draws them, and response
+r's token t uses uniforms[t, r] whichever slot decodes it and whenever. The math of a step is
+the static decode step's (`decode.decode_step`, with one prompt per row and a per-row cache
+slot), so greedy and sampled tokens agree and log-probs agree to float rounding.
+
+Design, and why (reasoned for CPU and GPU, where decode is bound by reading weights and KV):
+
+* Prefill once, up front. The B prompts run through the decoder in one batched call, as in the
+  static sampler; the result is the shared prompt cache [B, K, P, hd] per layer and each
+  prompt's last-position logits. Every response's *first* token depends only on those logits
+  and its own uniform, so all N first tokens (and log-probs) are chosen in that one batched
+  step. A refilled slot therefore never runs a prefill inside the loop: it starts decoding at
+  once from its precomputed first token, and a response whose first token ends it never takes a
+  slot at all. Re-running a prompt's prefill per refill (batched over the refilled slots) would
+  cost P tokens of compute per response instead of P per prompt, and a batched prefill needs a
+  fixed number of prefill rows per step (idle work, or slots waiting for a prefill lane).
+* Each slot keeps its own copy of its prompt's keys/values [S, K, P, hd], copied from the shared
+  prompt cache when the slot is refilled. The alternative, gathering the prompt keys of every
+  slot from the shared cache inside every decode step, writes and re-reads S*P keys per layer
+  per step (XLA materialises the gather before the matmul on CPU and GPU); the per-slot copy is
+  read once per step and written once per response. Scoring every slot against all B prompts
+  and masking avoids copies but costs S*B*P instead of S*P multiply-adds per step, which grows
+  with the batch and is compute-bound on CPU. Against the static sampler's shared group prompt
+  the per-slot copy reads S*P instead of B*P prompt keys per step: small next to the S*R
+  response cache when responses are long and skewed, which is where refilling pays.
+* The copies run in chunks of `REFILL_LANES` slots (a gather of the lane's prompts and a scatter
+  into the slot caches, mode="drop" for unused lanes) inside a while loop that makes
+  ceil(refills / lanes) trips: zero on most steps, one on a typical refill step, a few when many
+  responses end together (equal lengths, identical greedy responses). Its cost is proportional
+  to the number of refills, not to S per step (a masked select over all slots under a `cond`
+  rewrites S*P keys per refill step, which on CPU costs tens of ms per step at real-model size).
+* The response cache is [S, K, hd, R] / [S, K, R, hd] per layer (the static layout, one row per
+  slot); the new key/value of each slot is scattered into its own column, and a per-slot mask
+  hides columns beyond the slot's position, so a refilled slot needs no zeroing: stale columns of
+  the previous response are masked until overwritten. Unlike the static sampler the loop reads
+  the whole R columns every step (slots are at different positions, so `decode_segments` does
+  not apply): a cost the static sampler also pays once its longest response passes the last
+  block boundary.
+* Bookkeeping per step is O(S) integer work on device: which slots ended, a cumsum that hands the
+  free slots the next entries of a queue of pending responses, the per-slot gather of uniforms
+  (uniforms[t_s, r_s]) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
+  round trip: the loop's only condition is "any slot busy".
+* With a mesh the slots are split over the batch axes (when S divides), the prompt cache and the
+  [N, R] outputs are replicated (refills gather any prompt; writes go to any response) and KV
+  heads follow the `tensor` axis, as in the static sampler.
+
+Idle slot-steps remain only at the end (fewer pending responses than slots) and for slots beyond
+the responses left; `schedule` replays the slot assignment on the host from the response lengths
+(decode steps and idle share), for benchmarks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from stare_jax import parallel
+from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
+from stare_jax.rollout import sampler
+from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
+from stare_jax.rollout.sampler import RolloutResult, RolloutSpec, finish_tokens
+from stare_jax.rollout.sampling import choose_tokens, token_log_probs
+
+REFILL_LANES = 8  # slots whose prompt keys/values one trip of the refill loop copies
+
+trace_count = 0  # times `slot_rollout` has been traced (compiled)
+
+
+def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+                 stop_lengths: jax.Array | None = None, *, spec: RolloutSpec, with_steps: bool = False):
+    """Pure slot-refilling rollout of `nnx.merge(graphdef, state)` with `spec.slots` decode slots:
+    the `RolloutResult` of `sampler.grouped_rollout` for the same arguments (rows group by group),
+    and with `with_steps` also the number of decode steps the loop ran (int32 scalar). Jit it with
+    `graphdef`, `spec` and `with_steps` static."""
+    global trace_count
+    trace_count += 1
+    model: Decoder = nnx.merge(graphdef, state)
+    B, prompt_len = prompt_ids.shape
+    G, R = spec.group_size, spec.max_new_tokens
+    N = B * G
+    S = min(spec.slots, N)
+    lanes = min(S, REFILL_LANES)
+    mesh = spec.mesh
+    slot_rows = sampler._constraint(mesh, P(parallel.BATCH_AXES)) if mesh is not None and \
+        S % parallel.batch_divisor(mesh) == 0 else (lambda x: x)
+    replicated = sampler._constraint(mesh, P())
+    kv = lambda rows_split: sampler._constraint(mesh, _kv_spec(model, mesh, rows_split))  # noqa: E731
+    slot_kv = kv(mesh is not None and S % parallel.batch_divisor(mesh) == 0)
+
+    # Prefill the B prompts once; choose every response's first token in one batched step.
+    hidden, prefill = model.hidden_states(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
+                                          cache=model.init_cache(B, prompt_len), cache_index=0)
+    prompt = prompt_cache(prefill, prompt_mask)
+    prompt = PromptCache([tuple(map(kv(False), layer)) for layer in prompt.layers], replicated(prompt.bias))
+    prompt_lengths = prompt_mask.sum(axis=1)
+    first_logits = jnp.repeat(model.logits(hidden[:, -1]), G, axis=0, total_repeat_length=N)
+    uniforms = None if spec.sampling.greedy else replicated(jax.random.uniform(rng, (R, N), jnp.float32))
+    stop = None if stop_lengths is None else replicated(stop_lengths.astype(jnp.int32))
+    first = choose_tokens(first_logits, None if uniforms is None else uniforms[0], spec.sampling)
+    first, first_ends = finish_tokens(first, 0, stop, spec.eos_ids)
+    first_logp = token_log_probs(first_logits, first)
+    single = first_ends | (R == 1)
+    ids = replicated(jnp.full((N, R), spec.pad_id, jnp.int32).at[:, 0].set(first))
+    logps = replicated(jnp.zeros((N, R), jnp.float32).at[:, 0].set(first_logp))
+    lengths = jnp.where(single, 1, 0).astype(jnp.int32)   # 0 while the response is unfinished
+    done = first_ends                                      # ended by EOS or stop length (not truncated)
+    # Responses that need decode steps, in response order (padded with N).
+    queue = jnp.nonzero(~single, size=N, fill_value=N)[0].astype(jnp.int32)
+    pending = jnp.sum(~single).astype(jnp.int32)
+
+    def assign(resp, t, token, plen, next_q):
+        """Hands the free slots (resp == N) the next queued responses, in slot order."""
+        free = resp >= N
+        pos = next_q + jnp.cumsum(free) - 1
+        take = free & (pos < pending)
+        new = queue[jnp.clip(pos, 0, N - 1)]
+        new_c = jnp.minimum(new, N - 1)
+        resp = jnp.where(take, new, resp)
+        t = jnp.where(take, 1, t)                        # token 0 is already chosen
+        token = jnp.where(take, first[new_c], token)
+        plen = jnp.where(take, prompt_lengths[new_c // G], plen)
+        return (resp, t, token, plen, next_q + jnp.sum(take).astype(jnp.int32)), take, new_c // G
+
+    def copy_prompts(slot_prompt: PromptCache, take, source):
+        """Copies prompt `source[s]`'s keys/values into slot s for every slot with `take`, in chunks
+        of `lanes` slots (ceil(#take / lanes) trips; unused lanes are dropped writes)."""
+        fill = jnp.nonzero(take, size=-(-S // lanes) * lanes, fill_value=S)[0]
+        count = jnp.sum(take)
+
+        def body(c):
+            i, layers, bias = c
+            dst = jax.lax.dynamic_slice(fill, (i * lanes,), (lanes,))
+            src = source[jnp.minimum(dst, S - 1)]
+            layers = [(k.at[dst].set(pk[src], mode="drop"), v.at[dst].set(pv[src], mode="drop"))
+                      for (k, v), (pk, pv) in zip(layers, prompt.layers)]
+            return i + 1, layers, bias.at[dst].set(prompt.bias[src], mode="drop")
+
+        _, layers, bias = jax.lax.while_loop(lambda c: c[0] * lanes < count, body,
+                                             (jnp.int32(0), slot_prompt.layers, slot_prompt.bias))
+        return PromptCache(layers, bias)
+
+    # Initial fill: slots take the first S queued responses (prompt keys gathered directly).
+    idle = jnp.full((S,), N, jnp.int32)
+    zeros, ones = jnp.zeros((S,), jnp.int32), jnp.ones((S,), jnp.int32)
+    (resp, t, token, plen, next_q), _, source = assign(idle, ones, zeros, zeros, jnp.int32(0))
+    slot_prompt = PromptCache([(slot_kv(pk[source]), slot_kv(pv[source])) for pk, pv in prompt.layers],
+                              slot_rows(prompt.bias[source]))
+    response = [tuple(map(slot_kv, layer)) for layer in empty_response_cache(model, S, R)]
+    layers = layer_params(model)
+    rope = rope_table(model.config, prompt_len + R)
+
+    def step(c):
+        """One decode step of every slot: feed its last token, choose the next one of its
+        response, record it, end finished responses and refill their slots."""
+        (resp, t, token, plen, next_q), slot_prompt, response, (ids, logps, lengths, done), steps = c
+        busy = resp < N
+        r = jnp.minimum(resp, N - 1)
+        index = jnp.minimum(t, R - 1)                    # the token being chosen (t >= 1 when busy)
+        # Feed token t-1 at cache column t-1 (idle slots compute on whatever they hold; unrecorded).
+        logits, response = decode_step(model, layers, slot_prompt, response, token, plen + t - 1,
+                                       jnp.clip(t - 1, 0, R - 1), rope=rope)
+        new = choose_tokens(logits, None if uniforms is None else uniforms[index, r], spec.sampling)
+        new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
+        logp = token_log_probs(logits, new)
+        row = jnp.where(busy, resp, N)                   # N: dropped write
+        ids = ids.at[row, index].set(new, mode="drop")
+        logps = logps.at[row, index].set(logp, mode="drop")
+        ended = busy & (ends | (index + 1 >= R))
+        lengths = lengths.at[jnp.where(ended, resp, N)].set(index + 1, mode="drop")
+        done = done.at[jnp.where(busy & ends, resp, N)].set(True, mode="drop")
+        slots, take, source = assign(jnp.where(ended, N, resp), t + 1, new, plen, next_q)
+        slot_prompt = copy_prompts(slot_prompt, take, source)
+        return slots, slot_prompt, response, (ids, logps, lengths, done), steps + 1
+
+    carry = ((resp, t, token, plen, next_q), slot_prompt, response, (ids, logps, lengths, done), jnp.int32(0))
+    carry = jax.lax.while_loop(lambda c: jnp.any(c[0][0] < N), step, carry)
+    _, _, _, (ids, logps, lengths, done), steps = carry
+    rows = sampler._constraint(mesh, P(parallel.BATCH_AXES))
+    mask = (jnp.arange(R)[None, :] < lengths[:, None]).astype(jnp.int32)
+    repeat = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=N)  # noqa: E731
+    result = RolloutResult(tokens=rows(jnp.concatenate([repeat(prompt_ids), ids], axis=1)),
+                           attention_mask=rows(jnp.concatenate([repeat(prompt_mask), mask], axis=1)),
+                           response_ids=rows(ids), response_mask=rows(mask), log_probs=rows(logps),
+                           truncated=rows(~done), prompt_len=prompt_len)
+    return (result, steps) if with_steps else result
+
+
+def _kv_spec(model: Decoder, mesh, rows_split: bool) -> P:
+    """Sharding of one layer's [rows, K, ., .] keys or values: rows over the batch axes when
+    `rows_split`, KV heads over `tensor` where it divides them."""
+    if mesh is None:
+        return P()
+    heads = "tensor" if model.config.num_kv_heads % mesh.shape["tensor"] == 0 else None
+    return P(parallel.BATCH_AXES if rows_split else None, heads, None, None)
+
+
+def schedule(lengths, slots: int) -> dict:
+    """Replays the slot assignment of `slot_rollout` on the host from the response lengths (int
+    [N], tokens per response incl. EOS): {"decode_steps", "slot_steps", "busy_slot_steps",
+    "idle_share"} of the slot sampler with `slots` slots, and the same for the static sampler
+    ("static_decode_steps", ...: N rows until the longest response ends). Token 0 of every
+    response comes from the prefill, so a response of length L is busy for L - 1 decode steps."""
+    lengths = np.asarray(lengths, np.int64)
+    n = len(lengths)
+    s = min(int(slots), n)
+    work = lengths - 1
+    queue = [int(w) for w in work if w > 0]
+    remaining = np.zeros(s, np.int64)                 # decode steps left per slot (0: free)
+    q = steps = 0
+    fill = min(s, len(queue))
+    remaining[:fill] = queue[:fill]
+    q = fill
+    while (remaining > 0).any():
+        steps += 1
+        remaining = np.maximum(remaining - 1, 0)
+        for i in np.flatnonzero(remaining == 0):     # free slots take the next responses in slot order
+            if q < len(queue):
+                remaining[i] = queue[q]
+                q += 1
+    busy = int(work.sum())
+    static_steps = int(work.max()) if n else 0
+    share = lambda total: 0.0 if total == 0 else 1.0 - busy / total  # noqa: E731
+    return {"decode_steps": steps, "slot_steps": steps * s, "busy_slot_steps": busy,
+            "idle_share": share(steps * s), "static_decode_steps": static_steps,
+            "static_slot_steps": static_steps * n, "static_idle_share": share(static_steps * n)}
+
+
+__all__ = ["REFILL_LANES", "schedule", "slot_rollout"]

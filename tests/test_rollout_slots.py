@@ -1,0 +1,187 @@
+"""Slot-refilling rollouts (`generate(..., slots=S)`, issue 20): the same responses as the static
+sampler for the same keys, at any slot count, without recompiling for new length outcomes."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from stare_jax import config as config_lib
+from stare_jax import parallel
+from stare_jax.compilation import CompilationCounter
+from stare_jax.models import from_pretrained
+from stare_jax.rollout import generate, sampler, slots
+from tests import hf_fixtures
+
+FREQUENT = (2, 5, 7, 11, 13)  # EOS ids common enough on the tiny models that rows stop at varied steps
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def policies(tiny_checkpoints):
+    """{family: Policy} on one device, loaded from the tiny HF checkpoints."""
+    return {name: from_pretrained(path, load_tokenizer=False) for name, path in tiny_checkpoints.items()}
+
+
+def prompts():
+    """A left-padded batch of three prompts of lengths 9, 5 and 2."""
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(9, 5, 2), total=9)
+    return ids.astype(np.int32), mask.astype(np.int32)
+
+
+def assert_same_rollout(got, ref):
+    """Identical tokens, masks and truncation flags; log-probs within 1e-5."""
+    for name in ("tokens", "attention_mask", "response_ids", "response_mask", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(ref, name)), err_msg=name)
+    np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(ref.log_probs), atol=1e-5, rtol=0)
+    assert got.prompt_len == ref.prompt_len
+
+
+def lengths_of(result):
+    return np.asarray(result.response_mask).sum(axis=1)
+
+
+SAMPLED = dict(group_size=4, max_new_tokens=13, eos_ids=FREQUENT, temperature=0.8, pad_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def sampled_reference(policies):
+    """The static sampler's rollout of 3 prompts x 4 responses (qwen2), with varied lengths."""
+    ids, mask = prompts()
+    ref = generate(policies["qwen2"], ids, mask, rng=jax.random.key(3), **SAMPLED)
+    lengths = lengths_of(ref)
+    assert len(set(lengths.tolist())) >= 4 and np.asarray(ref.truncated).any(), lengths
+    return ref
+
+
+# Fewer slots than responses (1 and 5), as many (12), and more (clamped to 12).
+@pytest.mark.parametrize("num_slots", [1, 5, 12, 40])
+def test_sampled_slots_equal_static(policies, sampled_reference, num_slots):
+    ids, mask = prompts()
+    got = generate(policies["qwen2"], ids, mask, rng=jax.random.key(3), slots=num_slots, **SAMPLED)
+    assert_same_rollout(got, sampled_reference)
+
+
+def test_greedy_slots_equal_static_with_forced_and_natural_eos(policies):
+    """Greedy (rows of a group identical until they stop): stop lengths vary the ends inside each
+    group, and EOS ids taken from the free greedy continuations end rows earlier on their own."""
+    ids, mask = prompts()
+    policy = policies["llama"]
+    free = np.asarray(generate(policy, ids, mask, rng=None, group_size=1, max_new_tokens=12, greedy=True).response_ids)
+    eos = tuple(dict.fromkeys(int(x) for x in (free[0, 2], free[1, 4]) if x not in free[0, :2]))
+    stop = np.array([3, 13, 6, 1, 9, 2, 13, 4, 7, 5, 11, 8], np.int32)
+    kw = dict(rng=None, group_size=4, max_new_tokens=12, eos_ids=eos, greedy=True, pad_id=PAD, stop_lengths=stop)
+    ref = generate(policy, ids, mask, **kw)
+    got = generate(policy, ids, mask, slots=3, **kw)
+    assert_same_rollout(got, ref)
+    lengths = lengths_of(ref)
+    assert (lengths <= np.minimum(stop, 12)).all() and (lengths < np.minimum(stop, 12)).any(), lengths
+    ends = np.asarray(ref.response_ids)[np.arange(12), lengths - 1]
+    assert np.isin(ends[lengths < 12], eos).all()   # natural ends, and forced ones (the first EOS id)
+    assert not np.asarray(ref.truncated)[lengths < 12].any()
+
+
+def test_filtered_sampling_and_sharded_slots_equal_static(tiny_checkpoints, policies):
+    """top-k + top-p sampling on qwen3 with stop lengths; the slot sampler on a 2x2x2 mesh too."""
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3), total=7)
+    stop = np.array([10, 2, 7, 10, 4, 9, 1, 6], np.int32)
+    kw = dict(rng=jax.random.key(9), group_size=4, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9, top_k=40,
+              top_p=0.95, stop_lengths=stop)
+    ref = generate(policies["qwen3"], ids, mask, **kw)
+    assert_same_rollout(generate(policies["qwen3"], ids, mask, slots=3, **kw), ref)
+    mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
+    multi = generate(sharded, ids, mask, slots=4, **kw)
+    assert multi.tokens.sharding.spec[0] == parallel.BATCH_AXES
+    assert_same_rollout(multi, ref)
+
+
+def test_new_length_outcomes_do_not_recompile(policies, sampled_reference):
+    """New keys (other EOS positions) and new stop lengths reuse the compiled slot rollout."""
+    ids, mask = prompts()
+    model = policies["qwen2"]
+    generate(model, ids, mask, rng=jax.random.key(0), slots=5, **SAMPLED)
+    counter = CompilationCounter()
+    seen = set()
+    for seed in (1, 2, 4):
+        result = generate(model, ids, mask, rng=jax.random.key(seed), slots=5, **SAMPLED)
+        seen.add(tuple(lengths_of(result)))
+    assert counter.take() == 0 and len(seen) > 1
+    rs = np.random.RandomState(0)
+    generate(model, ids, mask, rng=jax.random.key(0), slots=5, stop_lengths=rs.randint(1, 14, 12), **SAMPLED)
+    counter.take()
+    for _ in range(2):
+        generate(model, ids, mask, rng=jax.random.key(0), slots=5, stop_lengths=rs.randint(1, 14, 12), **SAMPLED)
+    assert counter.take() == 0
+
+
+def test_stop_lengths_set_lengths_and_schedule_counts_device_steps(policies):
+    """Without EOS ids, stop lengths alone set every length (finished, not truncated); the host
+    replay `slots.schedule` predicts the decode steps the device loop ran."""
+    model = policies["qwen2"].model
+    ids, mask = prompts()
+    stop = np.array([1, 12, 3, 9, 2, 2, 12, 5, 20, 7, 1, 4], np.int32)
+    kw = dict(rng=jax.random.key(5), group_size=4, max_new_tokens=12, eos_ids=(), stop_lengths=stop)
+    ref = generate(model, ids, mask, **kw)
+    np.testing.assert_array_equal(lengths_of(ref), np.minimum(stop, 12))
+    np.testing.assert_array_equal(np.asarray(ref.truncated), stop > 12)
+    graphdef, state = nnx.split(model)
+    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=12, eos_ids=(), pad_id=PAD,
+                               sampling=sampler.SamplingParams(), slots=3)
+    result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(5), stop)
+    assert_same_rollout(result, ref)
+    plan = slots.schedule(np.minimum(stop, 12), 3)
+    assert int(steps) == plan["decode_steps"]
+    assert plan["busy_slot_steps"] == int((np.minimum(stop, 12) - 1).sum())
+
+
+def test_schedule_by_hand():
+    # Lengths 1 need no decode step; work 4, 1, 2, 3 on 2 slots: slot 0 runs 4; slot 1 runs 1, 2, then 3 (steps 4-6).
+    plan = slots.schedule([5, 1, 2, 3, 4], 2)
+    assert plan["decode_steps"] == 6 and plan["slot_steps"] == 12 and plan["busy_slot_steps"] == 10
+    assert plan["static_decode_steps"] == 4 and plan["static_slot_steps"] == 20
+    assert plan["idle_share"] == pytest.approx(2 / 12) and plan["static_idle_share"] == pytest.approx(0.5)
+    assert slots.schedule([3, 3], 5)["decode_steps"] == 2      # more slots than responses: one wave
+    assert slots.schedule([1, 1], 2)["decode_steps"] == 0
+
+
+def test_rejects_bad_slots_and_stop_lengths(policies):
+    ids, mask = prompts()
+    kw = dict(rng=jax.random.key(0), group_size=2, max_new_tokens=3, eos_ids=())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="slots"):
+            generate(policies["qwen2"], ids, mask, slots=bad, **kw)
+    with pytest.raises(ValueError, match="stop_lengths"):
+        generate(policies["qwen2"], ids, mask, stop_lengths=np.ones(5, np.int32), **kw)
+
+
+def test_config_key_rollout_slots(capsys):
+    assert config_lib.default_config().rollout.slots == 0
+    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.py")
+    c = config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.slots=16"])
+    assert c.rollout.slots == 16
+    with pytest.raises(SystemExit) as exc:
+        config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.slots=-2"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "rollout.slots" in err and len(err.splitlines()) == 1
+
+
+def test_bench_length_mix_has_the_recorded_ratio():
+    """scripts/bench_rollout_skew.py: the log-normal mix has p95 / p5 = 10 and p95 at the target."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "bench_rollout_skew.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_skew", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths, mix = bench.length_mix("lognormal", 100000, 10**6, ratio=10.0, p95=0.001, seed=3)
+    p5, p95 = np.percentile(lengths, [5, 95])
+    assert p95 / p5 == pytest.approx(10.0, rel=0.03) and p95 == pytest.approx(1000, rel=0.03)
+    assert mix["seed"] == 3 and mix["clipped"] == 0
+    again, _ = bench.length_mix("lognormal", 100000, 10**6, ratio=10.0, p95=0.001, seed=3)
+    np.testing.assert_array_equal(again, lengths)
+    fixed, _ = bench.length_mix("fixed", 5, 7, ratio=10.0, p95=0.5, seed=0)
+    assert fixed.tolist() == [7] * 5
