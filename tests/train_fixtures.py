@@ -28,3 +28,12 @@ def nan_sometimes(response: str, ground_truth: str) -> float:
 def overflow_reward(response: str, ground_truth: str) -> float:
     """Finite rewards so large (+-3e38) that float32 group statistics overflow: a non-finite loss."""
     return 3e38 if len(response) % 2 else -3e38
+
+
+def slow_reward(response: str, ground_truth: str) -> float:
+    """The countdown score after STARE_TEST_REWARD_DELAY seconds (default 0.02): a step of 16
+    responses then takes ~0.3 s or more, long enough to signal a process inside it."""
+    import os
+
+    time.sleep(float(os.environ.get("STARE_TEST_REWARD_DELAY", "0.02")))
+    return score(response, ground_truth)
