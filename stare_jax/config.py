@@ -399,12 +399,18 @@ def unused_data_key(config) -> None:
 
 def check_paths(config) -> None:
     """Raises ConfigError when a path the run reads does not exist: model.path (a Hugging Face
-    directory with config.json) and the data files of data.name='math'. Not part of `validate`,
+    directory with config.json, or a .gguf file) and the data files of data.name='math'. Not part of `validate`,
     which stays a pure check of values."""
     import os
 
     c = config
-    if c.model.path:
+    if c.model.path == "smollm2":  # a packaged model name, resolved by the trainer
+        pass
+    elif c.model.path.endswith(".gguf"):
+        if not os.path.isfile(c.model.path):
+            raise ConfigError("model.path", f"{c.model.path}: no such file; allowed: a Hugging Face model directory "
+                                            f"or a .gguf file")
+    elif c.model.path:
         if not os.path.isdir(c.model.path):
             raise ConfigError("model.path", f"{c.model.path}: no such directory; allowed: a Hugging Face model "
                                             f"directory (config.json, *.safetensors, tokenizer files)")
