@@ -50,13 +50,56 @@ def embedded_model_dir(config, workdir: str) -> str:
 
     e, w = config.model.embedded, config.warmstart
     path = os.path.join(workdir, "model")
+    kwargs = dict(hidden_size=e.hidden_size, num_layers=e.num_layers, num_heads=e.num_heads,
+                  num_kv_heads=e.num_kv_heads, intermediate_size=e.intermediate_size, seed=config.seed,
+                  warmup_steps=w.steps, warmup_batch_size=w.batch_size, warmup_lr=w.lr)
+    task = countdown_config(config)
     if jax.process_index() == 0:
         workdir_lib.remove_stale_tmp_dirs(path)  # a kill during an earlier warm start
-    embedded.create_embedded_model(path, hidden_size=e.hidden_size, num_layers=e.num_layers, num_heads=e.num_heads,
-                                   num_kv_heads=e.num_kv_heads, intermediate_size=e.intermediate_size,
-                                   seed=config.seed, warmup_steps=w.steps, warmup_batch_size=w.batch_size,
-                                   warmup_lr=w.lr, task_config=countdown_config(config))
+        if not embedded.is_complete(path):
+            _create_embedded_model_pinned(path, kwargs, task)
+    embedded.create_embedded_model(path, task_config=task, **kwargs)  # checks the spec; other hosts wait for it
     return path
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: ask Linux to SIGKILL it when the parent dies (no orphaned warm start)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _create_embedded_model_pinned(path: str, kwargs: dict, task) -> None:
+    """Runs `create_embedded_model` (its warm start is ~400 jitted SFT steps) in a child process on
+    one CPU device. XLA:CPU gives the same single-device program slightly different results in a
+    process with 4 CPU devices than with 1 or 2 (identical HLO and machine code; the runtime
+    differs), so warm-starting in the trainer's own process made the initial policy, and every
+    metric after it, depend on the topology (1 process x 4 devices vs 2 x 2: grad_norm 4e-4 apart
+    at step 0). The child's configuration is fixed, so the model is the same for any topology."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    spec = json.dumps({"path": path, "kwargs": kwargs, "task": dataclasses.asdict(task)})
+    code = ("import json, sys; from stare_jax.tasks import countdown, embedded; a = json.loads(sys.argv[1]); "
+            "embedded.create_embedded_model(a['path'], task_config=countdown.CountdownConfig(**a['task']), "
+            "**a['kwargs'])")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      os.environ.get("PYTHONPATH", "")] if p))
+    for key in ("JAX_NUM_CPU_DEVICES", "JAX_COORDINATOR_ADDRESS", "STARE_COORDINATOR", "STARE_NUM_PROCESSES",
+                "STARE_PROCESS_ID"):
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-c", code, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, preexec_fn=_die_with_parent)
+    if r.returncode != 0:
+        lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(f"creating the embedded model in {path} failed (exit {r.returncode}): "
+                           f"{lines[-1] if lines else 'no message'}")
 
 
 def countdown_config(config):
