@@ -68,13 +68,18 @@ class WorkdirLock:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed, unreaped process)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_tmp_dirs(path: str) -> list[str]:
