@@ -8,6 +8,14 @@ count an empty or half-written `<step>/`, so `Checkpointer` validates, moves a b
 `<step>.invalid-<n>` with a warning, and falls back to the previous one. Restoring takes an
 abstract target whose shardings decide the placement, so a checkpoint saved on one mesh restores
 onto any other mesh or device count.
+
+Integrity: Orbax 0.12 stores no checksum of the array data (a flipped bit in an OCDBT data file
+restores silently), so `save` records a content digest of every array of the state in the step's
+`meta` item, committed atomically with it, and every restore recomputes it from the restored
+arrays (`state_digest`: two wrapping uint32 sums per array, layout-independent, so it holds across
+meshes and partial restores). A mismatch, or a non-finite parameter or optimizer value, makes the
+step unusable like a truncated one: training, `evaluate` and `export` all go through
+`Checkpointer.restore` and fall back to the previous step.
 """
 
 from __future__ import annotations
@@ -15,10 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from stare_jax import config as config_lib
@@ -28,6 +39,10 @@ log = logging.getLogger(__name__)
 ITEMS = ("state", "data", "meta")
 FAULT_KILL_DURING_SAVE = "STARE_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL right after save(step) starts
 _COMMIT = "commit_success.txt"
+# Old steps are deleted by an atomic rename into this folder, which is then emptied: a kill during
+# the deletion leaves a half-deleted tree there (removed on the next start), never a half-deleted
+# `<step>/` that Orbax would list as a step.
+TODELETE = "todelete"
 
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources).
@@ -44,8 +59,84 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               "loss.entropy_adv_kappa": 2.0, "loss.w_reinforce_lambda": 0.1, "loss.quadrants": ""}
 
 
+DIGEST_ALGORITHM = "u32-wsum-mix-v1"
+# Leaves that may legitimately be non-finite (the controller's last H_bar is NaN before any step).
+NONFINITE_ALLOWED = ("last_entropy",)
+
+
 class IncompatibleCheckpointError(RuntimeError):
     """The workdir's checkpoint was written under a config this run may not continue."""
+
+
+class CheckpointUnusableError(RuntimeError):
+    """A checkpoint step that was asked for by number cannot be used (missing, incomplete or damaged)."""
+
+
+# ----------------------------------------------------------------------------- content digest
+
+def _u32_words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 values, same shape (a trailing axis of 2 for 64-bit dtypes)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if size in (1, 2):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes -> [..., 2]
+
+
+def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(two uint32 sums over the array's bits, all-finite flag). Integer sums wrap exactly and do not
+    depend on the order of reduction, so the digest is the same for any sharding or device count.
+    The first sum weights word i by the odd number 2i + 1, so any single flipped bit changes it; the
+    second sums a mixed (avalanched) hash of (word, index), catching multi-bit damage."""
+    u = _u32_words(x)
+    idx = jnp.zeros(u.shape, jnp.uint32)
+    for d, n in enumerate(u.shape):
+        idx = idx * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d)
+    s1 = jnp.sum(u * (idx * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+    h = u ^ (idx * jnp.uint32(0x9E3779B9))
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    s2 = jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    return jnp.stack([s1, s2]), finite
+
+
+_digest_fn = jax.jit(lambda leaves: [_leaf_digest(x) for x in leaves])
+
+
+def state_digest(tree) -> dict[str, tuple[list[int], bool]]:
+    """{leaf path: ([sum1, sum2], all finite)} for every array of `tree` (a pytree of jax Arrays,
+    NNX states included). Pure and deterministic; the same on any mesh."""
+    from stare_jax import parallel
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [parallel.path_to_str(p) for p, _ in flat]
+    out = _digest_fn([x for _, x in flat])
+    return {p: ([int(v) for v in parallel.to_host(sums)], bool(parallel.to_host(ok)))
+            for p, (sums, ok) in zip(paths, out)}
+
+
+def digest_problem(restored_digest: dict, saved: dict | None) -> str | None:
+    """Why a restored state may not be used, or None: a leaf whose digest differs from the one saved
+    with the checkpoint (`saved`: meta["digest"], None for checkpoints written before digests), a
+    leaf the checkpoint has no digest for, or a non-finite value outside `NONFINITE_ALLOWED`."""
+    leaves = None if saved is None else saved.get("leaves", {})
+    if saved is not None and saved.get("algorithm") != DIGEST_ALGORITHM:
+        return f"unknown digest algorithm {saved.get('algorithm')!r}"
+    for path, (sums, finite) in sorted(restored_digest.items()):
+        if leaves is not None:
+            if path not in leaves:
+                return f"no saved digest for {path}"
+            if list(leaves[path]) != list(sums):
+                return f"content digest mismatch in {path} (data damaged after it was written)"
+        if not finite and not path.endswith(NONFINITE_ALLOWED):
+            return f"non-finite values in {path}"
+    return None
 
 
 def config_to_json(config) -> dict[str, Any]:
@@ -78,8 +169,16 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.close()
         options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=not self.read_only,
-                                               read_only=self.read_only, enable_async_checkpointing=True)
+                                               read_only=self.read_only, enable_async_checkpointing=True,
+                                               todelete_subdir=None if self.read_only else TODELETE)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.purge_deleted()
+
+    def purge_deleted(self) -> None:
+        """Removes the steps Orbax retired into `checkpoints/todelete/` (and any half-deleted leftover)."""
+        path = os.path.join(self.directory, TODELETE)
+        if not self.read_only and jax.process_index() == 0 and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ inspection
     def is_complete(self, step: int) -> bool:
@@ -98,14 +197,20 @@ class Checkpointer:
         n = 0
         while os.path.exists(f"{src}.invalid-{n}"):
             n += 1
+        if self.read_only:
+            log.warning("checkpoint step %d is unusable (%s); skipped", step, reason)
+            return
         log.warning("checkpoint step %d is unusable (%s); moved aside to %s.invalid-%d", step, reason, src, n)
-        if jax.process_index() == 0 and not self.read_only:
+        if jax.process_index() == 0 and os.path.exists(src):
             os.replace(src, f"{src}.invalid-{n}")
         self._open()
 
     # ------------------------------------------------------------------ save / restore
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
-        """Starts an asynchronous save of `state` (a pytree of arrays), the data position and metadata."""
+        """Starts an asynchronous save of `state` (a pytree of arrays), the data position and metadata.
+        The content digest of `state` (`state_digest`) is stored in the metadata item."""
+        digest = {p: sums for p, (sums, _) in state_digest(state).items()}
+        meta = {**meta, "digest": {"algorithm": DIGEST_ALGORITHM, "leaves": digest}}
         saved = self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta)), force=True)
@@ -123,36 +228,69 @@ class Checkpointer:
         """The JSON metadata of `step` (config, step, versions)."""
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def restore_latest(self, abstract_state) -> tuple[int, Any, dict, dict] | None:
-        """(step, state, data_state, meta) of the newest usable checkpoint, or None when there is none.
+    def restore(self, abstract_state, *, step: int | None = None, partial: bool = False):
+        """(step, state, data_state, meta) of the newest usable checkpoint (or of `step`), or None.
 
-        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with shardings (the target layout).
-        Incomplete or unreadable steps are moved aside with a warning and the previous one is tried.
+        The one restore path of training, evaluation and export. `abstract_state` is a pytree of
+        `jax.ShapeDtypeStruct` with shardings (the target layout); with `partial=True` it may be a
+        subtree of the saved state (e.g. {"train": {"model": ...}}), the rest is never read, and
+        data_state is None. A step is usable when it is complete (commit markers), Orbax restores
+        it, and the restored arrays match the content digest saved with it and are finite. An
+        unusable step is moved aside (read-only: skipped) with a warning and the previous one is
+        tried; an unusable `step` asked for by number raises CheckpointUnusableError.
         """
-        for step in reversed(self.steps()):
-            if not self.is_complete(step):
-                self._quarantine(step, "incomplete: no commit marker (interrupted save?)")
-                continue
-            try:
-                restored = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-                    meta=ocp.args.JsonRestore()))
-            except Exception as e:  # corrupt files: fall back to the previous checkpoint
-                self._quarantine(step, f"restore failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                continue
-            return step, restored["state"], restored["data"], restored["meta"]
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        for s in candidates:
+            problem, restored = self._try_restore(s, abstract_state, partial)
+            if problem is None:
+                state, meta = restored["state"], restored["meta"]
+                return s, state, None if partial else restored["data"], meta
+            if step is not None:
+                raise CheckpointUnusableError(f"checkpoint step {s} in {self.directory} is unusable: {problem}")
+            self._quarantine(s, problem)
         return None
 
-    def restore_model(self, step: int, abstract_model_state):
-        """The policy parameters alone of checkpoint `step`: the `model` subtree of its train state,
-        read with Orbax's partial restore onto `abstract_model_state` (a pytree of
-        `jax.ShapeDtypeStruct` with shardings). The optimizer moments and the reference model are
-        never read, so evaluation and export need the parameters' memory once, not the whole
-        train state's."""
-        target = {"train": {"model": abstract_model_state}}
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
-        return restored["state"]["train"]["model"]
+    def _try_restore(self, step: int, abstract_state, partial: bool):
+        """(None, restored items) or (why the step is unusable, None)."""
+        if step not in self.steps():
+            return f"no such step (steps: {self.steps()})", None
+        if not self.is_complete(step):
+            return "incomplete: no commit marker (interrupted save?)", None
+        missing = self._missing_files(step)
+        if missing:
+            return f"missing file {missing}", None
+        try:
+            if partial:
+                state_args = ocp.args.PyTreeRestore(
+                    item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                    partial_restore=True)
+                args = ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
+            else:
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                          data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+            restored = self._manager.restore(step, args=args)
+        except Exception as e:  # corrupt files: fall back to the previous checkpoint
+            return f"restore failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}", None
+        saved = restored["meta"].get("digest") if isinstance(restored["meta"], dict) else None
+        if saved is None:
+            log.warning("checkpoint step %d has no content digest (written before digests existed); only its "
+                        "finiteness is checked", step)
+        problem = digest_problem(state_digest(restored["state"]), saved)
+        return (problem, None) if problem else (None, restored)
+
+    def _missing_files(self, step: int) -> str | None:
+        """A file every committed OCDBT state item has and Orbax needs (checked before Orbax reads
+        it: a missing root manifest otherwise surfaces as ~50 "Event loop is closed" tracebacks), or
+        None when both are there. Damage elsewhere is caught by the restore or the digest."""
+        state = os.path.join(self.directory, str(step), "state")
+        for name in ("manifest.ocdbt", "_METADATA"):
+            if not os.path.isfile(os.path.join(state, name)):
+                return os.path.join(state, name)
+        return None
+
+    def restore_latest(self, abstract_state) -> tuple[int, Any, dict, dict] | None:
+        """(step, state, data_state, meta) of the newest usable checkpoint, or None (see `restore`)."""
+        return self.restore(abstract_state)
 
     def check_compatible(self, config) -> None:
         """Raises IncompatibleCheckpointError when the latest checkpoint's config differs from `config`
@@ -176,6 +314,7 @@ class Checkpointer:
         """Waits for pending saves and releases the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
+        self.purge_deleted()
 
 
 def write_json_atomic(path: str, obj) -> None:

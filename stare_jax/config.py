@@ -20,6 +20,16 @@ LOSS_NAMES = ("grpo", "stare", "entropy_bonus", "forking_tokens", "clip_cov", "k
               "w_reinforce")
 QUADRANT_NAMES = ("PHR", "PLR", "NLR", "NHR")  # polarity (positive/negative) x entropy (high/low), arXiv 2604.11056
 DATASETS = ("countdown", "arith", "math")
+# The task-specific `data.*` keys each data.name reads; a key in no row is common to all tasks. A
+# task-specific key that the chosen data.name does not read must keep its default (validate), so
+# that a value set for another task is refused, not silently ignored. A new task adds one row.
+DATA_KEYS_BY_TASK: dict[str, tuple[str, ...]] = {
+    "countdown": ("num_train", "num_eval", "countdown_min_numbers", "countdown_max_numbers", "countdown_max_number",
+                  "countdown_max_target"),
+    "arith": ("num_train", "num_eval", "arith_min_ops", "arith_max_ops", "arith_max_number", "arith_ops",
+              "arith_word_frac", "arith_distractors", "instruction"),
+    "math": ("train_files", "eval_files", "instruction"),
+}
 REWARDS = ("countdown", "math", "final_answer")
 
 
@@ -366,6 +376,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         _check_value(key, flat[key], spec)
 
     c = config
+    unused_data_key(c)
     if c.stare.m_min > c.stare.m:
         raise ConfigError("stare.m_min", f"got {c.stare.m_min}; allowed: <= stare.m ({c.stare.m})")
     if c.stare.w > c.stare.w_max and c.stare.adaptive:
@@ -435,6 +446,54 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     return config
 
 
+def task_keys_unused_by(name: str) -> list[str]:
+    """The `data.*` keys (full names) of other tasks' rows of DATA_KEYS_BY_TASK that `name` does not read."""
+    own = set(DATA_KEYS_BY_TASK.get(name, ()))
+    return sorted({f"data.{k}" for task, keys in DATA_KEYS_BY_TASK.items() if task != name
+                   for k in keys if k not in own})
+
+
+def unused_data_key(config) -> None:
+    """Raises ConfigError for the first task-specific data.* key that the chosen data.name does not
+    read and that differs from its default (it would be silently ignored)."""
+    defaults = flatten(default_config())
+    flat = flatten(config)
+    name = flat["data.name"]
+    for key in task_keys_unused_by(name):
+        if key in flat and flat[key] != defaults[key]:
+            users = [t for t, keys in DATA_KEYS_BY_TASK.items() if key.split(".", 1)[1] in keys]
+            raise ConfigError(key, f"set to {flat[key]!r}, but data.name={name!r} does not use it (it is read "
+                                   f"by data.name={' or '.join(repr(u) for u in users)}); allowed: remove it or "
+                                   f"choose that data.name")
+
+
+def check_paths(config) -> None:
+    """Raises ConfigError when a path the run reads does not exist: model.path (a Hugging Face
+    directory with config.json, or a .gguf file) and the data files of data.name='math'. Not part of `validate`,
+    which stays a pure check of values."""
+    import os
+
+    c = config
+    if c.model.path == "smollm2":  # a packaged model name, resolved by the trainer
+        pass
+    elif c.model.path.endswith(".gguf"):
+        if not os.path.isfile(c.model.path):
+            raise ConfigError("model.path", f"{c.model.path}: no such file; allowed: a Hugging Face model directory "
+                                            f"or a .gguf file")
+    elif c.model.path:
+        if not os.path.isdir(c.model.path):
+            raise ConfigError("model.path", f"{c.model.path}: no such directory; allowed: a Hugging Face model "
+                                            f"directory (config.json, *.safetensors, tokenizer files)")
+        if not os.path.isfile(os.path.join(c.model.path, "config.json")):
+            raise ConfigError("model.path", f"{c.model.path}: has no config.json; allowed: a Hugging Face model "
+                                            f"directory (config.json, *.safetensors, tokenizer files)")
+    if c.data.name == "math":
+        for key in ("data.train_files", "data.eval_files"):
+            for f in (f for f in flatten(c)[key].split(",") if f):
+                if not os.path.isfile(f):
+                    raise ConfigError(key, f"{f}: no such file; allowed: comma-separated JSONL/parquet paths")
+
+
 # ----------------------------------------------------------------------------- command line
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -453,6 +512,8 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
     from absl import flags
     from ml_collections import config_flags
 
+    import os
+
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file(flag_name, None, "experiment config file (get_config())", flag_values=fv,
                                     lock_config=True)
@@ -465,6 +526,10 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
                     section = key.rsplit(".", 1)[0] if "." in key else ""
                     known = sorted(k for k in SCHEMA if k.startswith(section + ".")) if section else known_sections
                     raise ConfigError(key, "unknown key; allowed: " + ", ".join(known[:40]))
+        path = _flag_value(argv, flag_name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(flag_name, f"{path}: no such file; allowed: a Python config file defining "
+                                         f"get_config(), e.g. configs/quickstart.py")
         saved_argv, sys.argv = sys.argv, list(argv)  # config_flags reads its overrides from sys.argv
         try:
             fv(list(argv), known_only=True)
@@ -474,6 +539,14 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
         if config is None:
             raise ConfigError(flag_name, "missing; allowed: --config configs/NAME.py")
         config.keys()
+        overridden = {a[len(flag_name) + 3:].split("=", 1)[0] for a in argv[1:] if a.startswith(f"--{flag_name}.")}
+        if "data.name" in overridden:
+            # The file's settings for the task it chose give way to the task chosen on the command line;
+            # what the command line itself sets for another task is still refused by validate.
+            defaults = default_config()
+            for key in task_keys_unused_by(config.data.name):
+                if key not in overridden:
+                    config.data[key.split(".", 1)[1]] = defaults.data[key.split(".", 1)[1]]
         validate(config)
     except ConfigError as e:
         _exit_config_error(str(e))
@@ -484,6 +557,16 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
     except Exception as e:  # a config file that fails to load or run, or a bad override
         _exit_config_error(f"config error: {type(e).__name__}: {_first_line(e)}")
     return config
+
+
+def _flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in argv, or None."""
+    for i, a in enumerate(argv):
+        if a == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def _flag_value_message(text: str, flag_name: str) -> str:

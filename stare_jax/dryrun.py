@@ -130,8 +130,12 @@ def load_config(config_path: str, overrides: Sequence[str], num_devices: int):
     except Exception:  # load_config_or_exit below reports it as a config error
         base = None
     extra, placeholders = [], []
+    task = next((a.split("=", 1)[1] for a in overrides if a.startswith("--config.data.name=")),
+                base.data.name if base is not None else "")
     for key in ("model.path", "data.train_files"):
         section, name = key.split(".")
+        if section == "data" and name not in config_lib.DATA_KEYS_BY_TASK.get(task, ()):
+            continue  # a key the task does not read may not be set (config.unused_data_key)
         if key not in given and base is not None and not base[section][name]:
             extra.append(f"--config.{key}={PLACEHOLDER}")
             placeholders.append(key)

@@ -3,7 +3,9 @@
     python -m stare_jax.evaluate --config configs/quickstart.py --workdir DIR [--n N] [--step K]
 
 Samples N responses per evaluation prompt (eval.temperature, eval.top_p) from the latest (or
-step K) checkpoint and writes DIR/eval/step_<k>.json with avg@N and unbiased pass@k per dataset.
+step K) usable checkpoint and writes DIR/eval/step_<k>.json with avg@N and unbiased pass@k per
+dataset. A damaged latest checkpoint is skipped for the previous one (with a warning); a workdir
+without checkpoints or a --step naming no usable one exits with status 2 and one line.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def main(argv=None) -> None:
                    and not (i > 0 and argv[i - 1] in own)]
     config = config_lib.load_config_or_exit(config_args)
     workdir = parse_workdir(argv)
+    from stare_jax import checkpoint as ckpt_lib
+    from stare_jax import workdir as workdir_lib
+
+    try:
+        workdir_lib.check_workdir(workdir)
+        step = _flag(argv, "step", int)
+    except workdir_lib.WorkdirError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as e:
+        print(f"config error: --step: {e}; allowed: an integer checkpoint step", file=sys.stderr)
+        sys.exit(2)
     n = _flag(argv, "n", int)
     if n is not None:
         if n < 1:
@@ -49,7 +63,11 @@ def main(argv=None) -> None:
 
     cli_eval = config.eval
     # Model and data come from the run's saved config; the evaluation settings from this command.
-    config, policy, step = trainer.load_trained_policy(workdir, step=_flag(argv, "step", int))
+    try:
+        config, policy, step = trainer.load_trained_policy(workdir, step=step)
+    except (FileNotFoundError, ckpt_lib.CheckpointUnusableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     for key, value in cli_eval.items():
         config.eval[key] = value
     tok = policy.tokenizer

@@ -3,7 +3,9 @@
     python -m stare_jax.export --workdir DIR --out OUT [--step K] [--dtype float32|bfloat16]
 
 The checkpoint is restored onto one local device, whatever mesh wrote it, and written with
-`stare_jax.models.save_pretrained` (config.json, safetensors, tokenizer) for `transformers`.
+`stare_jax.models.save_pretrained` (config.json, safetensors, tokenizer) for `transformers`. The
+restore is the one training uses: a damaged latest checkpoint is skipped for the previous one.
+Bad input (no checkpoint, a --step naming none, --out an existing file) exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -25,14 +27,26 @@ def main(argv=None) -> None:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)
+    import os
+
+    from stare_jax import checkpoint as ckpt_lib
     from stare_jax import trainer
+    from stare_jax import workdir as workdir_lib
     from stare_jax.models import save_pretrained
 
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"config error: --out: {args.out} exists and is a file; allowed: a new or existing directory",
+              file=sys.stderr)
+        sys.exit(2)
     try:
+        workdir_lib.check_workdir(args.workdir)
         _, policy, step = trainer.load_trained_policy(args.workdir, step=args.step)
-    except FileNotFoundError as e:
+    except workdir_lib.WorkdirError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (FileNotFoundError, ckpt_lib.CheckpointUnusableError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2)
     save_pretrained(policy, args.out, dtype=args.dtype)
     print(f"exported step {step} of {args.workdir} to {args.out}")
 

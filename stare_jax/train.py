@@ -2,8 +2,10 @@
 
     python -m stare_jax.train --config configs/quickstart.py --workdir runs/quickstart [--config.key=value ...]
 
-Running the same command again resumes from the latest complete checkpoint in WORKDIR/checkpoints.
-A bad config exits with status 2 and a one-line message before anything is compiled.
+Running the same command again resumes from the latest usable checkpoint in WORKDIR/checkpoints.
+A bad config, a missing model or data path, a workdir that is a file or is in use by another
+training exit with status 2 and a one-line message before anything is compiled. SIGTERM/SIGINT
+finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def main(argv=None) -> None:
     config = config_lib.load_config_or_exit([a for a in argv if not a.startswith("--workdir")
                                              and not _is_workdir_value(argv, a)])
     workdir = parse_workdir(argv)
+    from stare_jax import workdir as workdir_lib
+
+    try:
+        workdir_lib.check_workdir(workdir)
+        config_lib.check_paths(config)
+    except (config_lib.ConfigError, workdir_lib.WorkdirError) as e:
+        print(str(e) if isinstance(e, config_lib.ConfigError) else f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from absl import logging as absl_logging
 
@@ -48,9 +58,16 @@ def main(argv=None) -> None:
     from stare_jax import checkpoint, trainer
     from stare_jax.data import DataFormatError
     from stare_jax.dynamic_sampling import DynamicSamplingError
+    from stare_jax.preemption import Preempted
 
     try:
         trainer.train(config, workdir)
+    except Preempted as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(e.exit_code)
+    except workdir_lib.WorkdirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except checkpoint.IncompatibleCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import jax
@@ -19,12 +20,15 @@ import numpy as np
 from stare_jax import checkpoint as ckpt_lib
 from stare_jax.compilation import CompilationCounter
 from stare_jax import parallel
+from stare_jax import preemption
+from stare_jax import workdir as workdir_lib
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
 from stare_jax.models.hf import abstract_model, load_config, load_tokenizer_dir
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
+FAULT_KILL_BEFORE_FINAL_EVAL = "STARE_FAULT_KILL_BEFORE_FINAL_EVAL"  # test hook: SIGKILL after the last commit
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -70,11 +74,56 @@ def embedded_model_dir(config, workdir: str) -> str:
 
     e, w = config.model.embedded, config.warmstart
     path = os.path.join(workdir, "model")
-    embedded.create_embedded_model(path, hidden_size=e.hidden_size, num_layers=e.num_layers, num_heads=e.num_heads,
-                                   num_kv_heads=e.num_kv_heads, intermediate_size=e.intermediate_size,
-                                   seed=config.seed, warmup_steps=w.steps, warmup_batch_size=w.batch_size,
-                                   warmup_lr=w.lr, task_config=countdown_config(config))
+    kwargs = dict(hidden_size=e.hidden_size, num_layers=e.num_layers, num_heads=e.num_heads,
+                  num_kv_heads=e.num_kv_heads, intermediate_size=e.intermediate_size, seed=config.seed,
+                  warmup_steps=w.steps, warmup_batch_size=w.batch_size, warmup_lr=w.lr)
+    task = countdown_config(config)
+    if jax.process_index() == 0:
+        workdir_lib.remove_stale_tmp_dirs(path)  # a kill during an earlier warm start
+        if not embedded.is_complete(path):
+            _create_embedded_model_pinned(path, kwargs, task)
+    embedded.create_embedded_model(path, task_config=task, **kwargs)  # checks the spec; other hosts wait for it
     return path
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: ask Linux to SIGKILL it when the parent dies (no orphaned warm start)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _create_embedded_model_pinned(path: str, kwargs: dict, task) -> None:
+    """Runs `create_embedded_model` (its warm start is ~400 jitted SFT steps) in a child process on
+    one CPU device. XLA:CPU gives the same single-device program slightly different results in a
+    process with 4 CPU devices than with 1 or 2 (identical HLO and machine code; the runtime
+    differs), so warm-starting in the trainer's own process made the initial policy, and every
+    metric after it, depend on the topology (1 process x 4 devices vs 2 x 2: grad_norm 4e-4 apart
+    at step 0). The child's configuration is fixed, so the model is the same for any topology."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    spec = json.dumps({"path": path, "kwargs": kwargs, "task": dataclasses.asdict(task)})
+    code = ("import json, sys; from stare_jax.tasks import countdown, embedded; a = json.loads(sys.argv[1]); "
+            "embedded.create_embedded_model(a['path'], task_config=countdown.CountdownConfig(**a['task']), "
+            "**a['kwargs'])")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      os.environ.get("PYTHONPATH", "")] if p))
+    for key in ("JAX_NUM_CPU_DEVICES", "JAX_COORDINATOR_ADDRESS", "STARE_COORDINATOR", "STARE_NUM_PROCESSES",
+                "STARE_PROCESS_ID"):
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-c", code, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, preexec_fn=_die_with_parent)
+    if r.returncode != 0:
+        lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(f"creating the embedded model in {path} failed (exit {r.returncode}): "
+                           f"{lines[-1] if lines else 'no message'}")
 
 
 def countdown_config(config):
@@ -298,13 +347,30 @@ def eval_samples(prompts: dict, texts: list[str], scores, n: int, num_prompts: i
 # ----------------------------------------------------------------------------- the loop
 
 def train(config, workdir: str) -> dict:
-    """Runs (or resumes) training as configured; returns the last step's metrics."""
+    """Runs (or resumes) training as configured; returns the last step's metrics.
+
+    Holds WORKDIR/.lock (process 0) for its whole life: a second training in the same workdir
+    raises WorkdirError. On SIGTERM/SIGINT it finishes the current step, saves a checkpoint and
+    raises `preemption.Preempted` (see stare_jax/preemption.py).
+    """
+    workdir = workdir_lib.check_workdir(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    lock = workdir_lib.WorkdirLock(workdir) if jax.process_index() == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        with preemption.StopSignal() as stop:
+            return _train(config, workdir, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
     from stare_jax import data as data_lib
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import abstract_train_state, create_train_state, make_update_step
 
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
     mesh = parallel.mesh_from_config(config.mesh)
     ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
     ckpt.check_compatible(config)
@@ -351,8 +417,10 @@ def train(config, workdir: str) -> dict:
     if jax.process_index() == 0:
         ckpt_lib.write_json_atomic(os.path.join(workdir, "config.json"), ckpt_lib.config_to_json(config))
 
+    # Events of steps >= start from an earlier attempt are hidden by TensorBoard (purge_step).
     writer = MetricsWriter(workdir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
-                           wandb_project=config.logging.wandb_project, config=ckpt_lib.config_to_json(config))
+                           wandb_project=config.logging.wandb_project, config=ckpt_lib.config_to_json(config),
+                           purge_step=start)
     progress = Progress(config.total_steps, start, enabled=config.logging.progress)
     row: dict = {}
     pool = RewardPool(config.reward.name, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
@@ -387,12 +455,24 @@ def train(config, workdir: str) -> dict:
             writer.write(step, row)
             if done % config.log_every == 0 or done == config.total_steps:
                 progress.update(step, row)
-            if done % config.checkpoint_every == 0 or done == config.total_steps:
+            signum = stop.agreed(step)
+            if done % config.checkpoint_every == 0 or done == config.total_steps or signum:
                 ckpt.save(done, {"train": _state_of(train_state), "rng": parallel.replicated_key(base_key, mesh)},
                           data_iter.get_state(),
                           {"step": done, "config": ckpt_lib.config_to_json(config)})
-        if config.eval.enabled and not (config.test_freq and config.total_steps % config.test_freq == 0) \
-                and start < config.total_steps:
+            if signum:
+                ckpt.wait()
+                raise preemption.Preempted(signum, done)
+        if os.environ.get(FAULT_KILL_BEFORE_FINAL_EVAL):
+            ckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die after the last commit, before the final eval
+        # The final evaluation, unless it exists already (a run killed after its last checkpoint
+        # commits and before this file is written gets it on the re-run).
+        final = os.path.join(workdir, "eval", f"step_{config.total_steps}.json")
+        if config.eval.enabled and not _all_agree(os.path.exists(final)):
+            signum = stop.agreed(config.total_steps)
+            if signum:
+                raise preemption.Preempted(signum, config.total_steps)
             _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, config.total_steps, workdir,
                       eos_ids, pad_id, mesh)
     finally:
@@ -449,33 +529,58 @@ def config_from_json(flat: dict):
 
 
 def load_trained_policy(workdir: str, *, config=None, step: int | None = None, mesh=None):
-    """(config, policy, step) of a workdir's latest (or given) complete checkpoint, restored onto `mesh`
+    """(config, policy, step) of a workdir's newest usable (or given) checkpoint, restored onto `mesh`
     (default: one device). The config is the one the run saved unless `config` is given. Only the
-    policy parameters are read, from the checkpoint alone (`Checkpointer.restore_model`), onto the
-    structure and shardings of the run's model config (`abstract_model`): the base weights are not
-    loaded first."""
+    policy parameters are read, from the checkpoint alone, onto the structure and shardings of the
+    run's model config (`abstract_model`): the base weights are not loaded first. The restore goes
+    through `Checkpointer.restore` (partial), the path training uses: a damaged newest step is
+    skipped for the previous one; a damaged or missing `step` raises CheckpointUnusableError.
+    Raises FileNotFoundError when the workdir holds no usable checkpoint."""
     from flax import nnx
 
     workdir = os.path.abspath(workdir)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(f"{workdir} holds no checkpoints (no {workdir}/checkpoints directory)")
     ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
         steps = [s for s in ckpt.steps() if ckpt.is_complete(s)]
         if not steps:
             raise FileNotFoundError(f"{workdir}/checkpoints holds no complete checkpoint")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise FileNotFoundError(f"{workdir}/checkpoints has no complete step {step}; complete steps: {steps}")
-        saved = config_from_json(ckpt.read_meta(step)["config"])
-        config = saved if config is None else config
+        if step is not None and step not in steps:
+            raise ckpt_lib.CheckpointUnusableError(
+                f"{workdir}/checkpoints has no complete step {step}; complete steps: {steps}")
+        saved = None
+        for s in ([step] if step is not None else reversed(steps)):
+            try:  # the run's config (the same in every step of a run); a damaged meta is skipped here
+                saved = config_from_json(ckpt.read_meta(s)["config"])
+                break
+            except Exception as e:
+                log.warning("checkpoint step %d: cannot read its metadata (%s: %s)", s, type(e).__name__, e)
+        if saved is None:
+            raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint with readable metadata")
         mesh = mesh if mesh is not None else parallel.make_mesh(devices=jax.devices()[:1])
         path = model_directory(saved, workdir, create=False)
         cfg = load_config(path)
         graphdef, state = abstract_model(cfg, dtype=saved.model.dtype, param_dtype=saved.model.param_dtype, mesh=mesh)
-        model = nnx.merge(graphdef, ckpt.restore_model(step, state))
+        restored = ckpt.restore({"train": {"model": state}}, step=step, partial=True)
+        if restored is None:
+            raise FileNotFoundError(f"{workdir}/checkpoints holds no usable checkpoint (every step is damaged; "
+                                    f"see the warnings above)")
+        step, params, _, meta = restored
+        config = config_from_json(meta["config"]) if config is None else config
+        model = nnx.merge(graphdef, params["train"]["model"])
         policy = Policy(model=model, config=cfg, tokenizer=load_tokenizer_dir(path), mesh=mesh)
     finally:
         ckpt.close()
     return config, policy, step
+
+
+def _all_agree(flag: bool) -> bool:
+    """Process 0's `flag`, on every process (file checks happen on process 0 only)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(flag))))
 
 
 def _barrier(name: str) -> None:

@@ -84,7 +84,9 @@ class MetricsWriter:
     """Appends one JSON object per step to `workdir/metrics.jsonl` and mirrors scalars to TensorBoard/W&B."""
 
     def __init__(self, workdir: str, *, tensorboard: bool = True, wandb: bool = False, wandb_project: str = "",
-                 config: Mapping | None = None, filename: str = "metrics.jsonl"):
+                 config: Mapping | None = None, filename: str = "metrics.jsonl", purge_step: int | None = None):
+        """`purge_step`: the step this attempt starts at; TensorBoard then hides the events of steps
+        >= it written by earlier attempts of the run (steps redone after a resume)."""
         self.active = jax.process_index() == 0
         self.path = os.path.join(workdir, filename)
         self._tb = None
@@ -95,7 +97,9 @@ class MetricsWriter:
         self._file = open(self.path, "a")
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            tb_dir = os.path.join(workdir, "tensorboard")
+            resumed = os.path.isdir(tb_dir) and any(f.startswith("events.") for f in os.listdir(tb_dir))
+            self._tb = SummaryWriter(tb_dir, purge_step=purge_step if resumed else None)
         if wandb:
             import wandb as wandb_lib  # optional dependency, installed by the user
             self._wandb = wandb_lib.init(project=wandb_project, dir=workdir, config=dict(config or {}),

@@ -129,3 +129,54 @@ def test_cpu_devices_after_jax_started_is_refused_unless_it_matches():
     distributed.use_cpu_devices(n)  # already what the backend has: nothing to do
     with pytest.raises(RuntimeError, match="mesh.cpu_devices"):
         distributed.use_cpu_devices(n + 1)
+
+
+def _other_value(key):
+    default = config_lib.flatten(config_lib.default_config())[key]
+    return "/some/file.jsonl" if isinstance(default, str) else default + 1
+
+
+@pytest.mark.parametrize("name", sorted(config_lib.DATA_KEYS_BY_TASK))
+def test_every_data_key_of_another_task_is_refused_naming_it(name):
+    """Issue 19 item 5: a data.* key that the chosen data.name does not read is refused, not ignored,
+    for every (task, other task's key) combination of DATA_KEYS_BY_TASK."""
+    unused = config_lib.task_keys_unused_by(name)
+    assert unused, "every task should leave some other task's key unused"
+    for key in unused:
+        c = config_lib.default_config()
+        c.data.name = name
+        c.data.train_files = c.data.train_files or ("x.jsonl" if name == "math" else "")
+        c.model.path = "m" if name == "math" else ""
+        c.reward.name = "math" if name == "math" else "countdown"
+        c.data[key.split(".", 1)[1]] = _other_value(key)
+        with pytest.raises(config_lib.ConfigError, match=rf"{key}: set to .* data.name='{name}' does not use it"):
+            config_lib.validate(c)
+
+
+def test_data_name_chosen_on_the_command_line_drops_the_files_other_task_settings(capsys, tmp_path):
+    """quickstart sets data.num_train (a countdown key); choosing data.name=math on the command line
+    is not refused for it, but a countdown key given on the same command line is."""
+    train = tmp_path / "t.jsonl"
+    train.write_text('{"question": "1+1?", "answer": "2"}\n')
+    base = ["train", "--config", QUICKSTART, "--config.data.name=math", f"--config.data.train_files={train}",
+            "--config.reward.name=math", f"--config.model.path={tmp_path}"]
+    c = config_lib.load_config_or_exit(base)
+    assert c.data.num_train == config_lib.default_config().data.num_train
+    with pytest.raises(SystemExit) as exc:
+        config_lib.load_config_or_exit(base + ["--config.data.num_eval=5"])
+    assert exc.value.code == 2
+    assert "data.num_eval: set to 5, but data.name='math' does not use it" in capsys.readouterr().err
+
+
+def test_missing_paths_are_config_errors(tmp_path):
+    c = config_lib.default_config()
+    c.model.path = str(tmp_path / "nope")
+    with pytest.raises(config_lib.ConfigError, match="model.path: .*nope: no such directory"):
+        config_lib.check_paths(c)
+    c.model.path = str(tmp_path)
+    with pytest.raises(config_lib.ConfigError, match="has no config.json"):
+        config_lib.check_paths(c)
+    (tmp_path / "config.json").write_text("{}")
+    c.data.name, c.data.train_files = "math", str(tmp_path / "missing.jsonl")
+    with pytest.raises(config_lib.ConfigError, match="data.train_files: .*missing.jsonl: no such file"):
+        config_lib.check_paths(c)

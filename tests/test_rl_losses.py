@@ -225,6 +225,24 @@ def test_kl_penalty_to_reference(kl_type):
         policy_loss(single_scope_context(lp, lp, adv, mask, settings=settings))
 
 
+def test_approx_kl_is_the_k3_estimate_the_readme_describes():
+    """Issue 19 item 7: the logged `approx_kl` is k3 = token mean of (r - 1) - log r, r = pi/pi_old, and
+    README's metric table says so (it used to describe k1, the mean of old - new log-prob)."""
+    import os
+    import re
+
+    lp, old, adv, mask = case(10, spread=0.3)
+    _, m = policy_loss(single_scope_context(lp, old, adv, mask, settings=LossSettings(name="grpo")))
+    d = lp.astype(np.float64) - old
+    k3 = ((np.exp(d) - 1 - d) * mask).sum() / mask.sum()
+    k1 = (-d * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(m["approx_kl"]), k3, rtol=1e-5)
+    assert abs(k1 - k3) > 1e-3  # the two estimates are distinguishable on this case
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    row = re.search(r"^\| `approx_kl` \|(.*)\|$", readme, re.M).group(1)
+    assert "k3" in row and "(r - 1) - log r" in row and "k1" not in row, row
+
+
 def test_masked_tokens_never_contribute_even_if_not_finite():
     lp, old, adv, mask = case(9)
     lp = lp.copy()

@@ -14,7 +14,7 @@ from stare_jax.rl import selection
 from stare_jax.rl.advantages import group_advantages
 from stare_jax.rl.losses import clipped_surrogate
 from stare_jax.rl.settings import StareSettings
-from stare_jax.rl.stare import ControllerState, controller_update, init_controller, stare_weights
+from stare_jax.rl.stare import ControllerState, controller_update, init_controller, stare_sets, stare_weights
 
 
 # ----------------------------------------------------------------------------- NumPy references
@@ -212,6 +212,20 @@ def test_group_advantages_match_numpy(scale):
         group_advantages(r, 8, scale="bogus")
 
 
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_group_without_reward_spread_gets_exactly_zero_advantage(scale):
+    """Issue 19 item 7: sixteen 0.7s are equal but their float32 mean is not 0.7; A must be exactly 0,
+    so none of their tokens can enter T+/T- (L+/L-)."""
+    r = np.concatenate([np.full(16, 0.7, np.float32), np.full(16, 0.1, np.float32),
+                        np.linspace(0, 1, 16, dtype=np.float32)])
+    adv = np.asarray(group_advantages(r, 16, scale=scale))
+    assert (adv[:32] == 0.0).all(), adv[:32]
+    np.testing.assert_allclose(adv[32:], np_group_advantages(r[32:], 16, scale), rtol=1e-5, atol=1e-6)
+    lp = -np.random.RandomState(0).exponential(1.0, (48, 4)).astype(np.float32)
+    lplus, lminus = stare_sets(lp, adv, np.ones_like(lp), top_p_ratio=1.0)
+    assert not np.asarray(lplus)[:32].any() and not np.asarray(lminus)[:32].any()
+
+
 # ----------------------------------------------------------------------------- controller
 
 def np_controller(w, m, h, *, tgt, alpha, w_max, m_min, adaptive):
@@ -252,6 +266,40 @@ def test_controller_follows_the_equations_over_a_script():
     s = controller_update(init_controller(off), 0.1, off)
     assert not bool(s.gate_on) and float(s.w) == np.float32(off.w)
     assert isinstance(s, ControllerState)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_entropy_leaves_the_controller_unchanged_and_is_counted(bad):
+    """Issue 19 item 7: a NaN/inf H_bar must not turn W and M into NaN (adaptive mode)."""
+    from stare_jax.rl.update import prepare_step
+    from stare_jax.rl.settings import RLSettings
+
+    st = StareSettings(enabled=True, w=1.1, m=0.9, target_entropy=0.3, adaptive=True, alpha=0.1, variant="C2")
+    state = controller_update(init_controller(st), jnp.float32(0.1), st)
+    after = jax.jit(lambda s, h: controller_update(s, h, st))(state, jnp.float32(bad))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    settings = RLSettings.from_config(_rl_config(adaptive=True))
+    rs = np.random.RandomState(0)
+    lp = -rs.exponential(1.0, (4, 6)).astype(np.float32)
+    ent = np.full((4, 6), bad, np.float32)
+    adv = np.repeat(rs.randn(4, 1), 6, 1).astype(np.float32)
+    ctrl = controller_update(init_controller(settings.stare), jnp.float32(0.1), settings.stare)
+    prep = prepare_step(settings, ctrl, lp, ent, np.zeros_like(lp), adv, np.ones_like(lp))
+    assert float(prep.metrics["stare_entropy_nonfinite"]) == 1.0
+    assert np.isfinite(float(prep.controller.w)) and np.isfinite(float(prep.controller.m))
+    assert float(prep.controller.w) == float(ctrl.w)
+    ok = prepare_step(settings, ctrl, lp, np.full_like(lp, 0.2), np.zeros_like(lp), adv, np.ones_like(lp))
+    assert float(ok.metrics["stare_entropy_nonfinite"]) == 0.0
+
+
+def _rl_config(**stare):
+    from stare_jax import config as config_lib
+
+    c = config_lib.default_config()
+    for k, v in stare.items():
+        c.stare[k] = v
+    return c
 
 
 # ----------------------------------------------------------------------------- sharding invariance

@@ -34,3 +34,12 @@ def length_parity(response: str, ground_truth: str) -> float:
     """1.0 when the response has an even number of characters: rewards with spread whatever the model
     writes, so a short run of a real model has non-zero advantages."""
     return float(len(response) % 2 == 0)
+
+
+def slow_reward(response: str, ground_truth: str) -> float:
+    """The countdown score after STARE_TEST_REWARD_DELAY seconds (default 0.02): a step of 16
+    responses then takes ~0.3 s or more, long enough to signal a process inside it."""
+    import os
+
+    time.sleep(float(os.environ.get("STARE_TEST_REWARD_DELAY", "0.02")))
+    return score(response, ground_truth)

@@ -6,6 +6,10 @@ Rewards arrive ordered group by group: response i of prompt g sits at index g * 
     scale="none":   A_i = r_i - mean_g                      (Dr.GRPO)
 
 A group of size 1 has no spread; as in verl it gets mean 0 and std 1.
+
+A group with no reward spread (all rewards bit-identical, e.g. sixteen 0.7s) gets A = 0 exactly:
+float32 rounding of its mean would otherwise leave tiny residuals r - mean that the division by
+std + eps blows up (0.7 - mean(0.7, ...) is not 0 in float32), and those tokens would enter T+/T-.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: str = "group
     """Per-response advantages [N] from rewards [N] (N = prompts * group_size, group by group).
 
     A_i = (r_i - mean_g) / (std_g + eps) with ddof=1 (`scale="group"`) or A_i = r_i - mean_g
-    (`scale="none"`), float32.
+    (`scale="none"`), float32. A group whose rewards are all equal gets exactly 0.
     """
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"advantage.scale must be one of {sorted(ADVANTAGE_SCALES)}, got {scale!r}")
@@ -47,8 +51,9 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: str = "group
     r = r.reshape(-1, group_size)
     if group_size == 1:
         return (r / (1.0 + eps) if scale == "group" else r).reshape(-1)
-    centred = r - jnp.mean(r, axis=1, keepdims=True)
-    return ADVANTAGE_SCALES[scale](r, centred, eps).reshape(-1)
+    spread = jnp.max(r, axis=1, keepdims=True) > jnp.min(r, axis=1, keepdims=True)
+    centred = jnp.where(spread, r - jnp.mean(r, axis=1, keepdims=True), 0.0)
+    return jnp.where(spread, ADVANTAGE_SCALES[scale](r, centred, eps), 0.0).reshape(-1)
 
 
 # ----------------------------------------------------------------------------- per-token advantage rules

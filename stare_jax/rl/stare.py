@@ -16,6 +16,10 @@ Controller (a pure function of its state; the state lives in the train state):
     adaptive:  W <- clip(W + alpha sgn(H_tgt - H_bar), 1, w_max)
                M <- clip(M - alpha sgn(H_tgt - H_bar), m_min, 1)
 
+A non-finite H_bar (NaN or inf entropy) leaves the whole controller state unchanged: the gate,
+W and M keep their last values instead of turning NaN (which would make every later step
+non-finite); `prepare_step` reports such steps as the metric `stare_entropy_nonfinite`.
+
 Order within a step: `new = controller_update(state, H_bar, settings)`, then this step's weights
 use `new.gate_on`, `new.w`, `new.m`.
 """
@@ -129,13 +133,16 @@ def controller_update(state: ControllerState, entropy, settings: StareSettings) 
 
     gate_on = H_bar < H_tgt (always off when STARE is disabled); with `adaptive`,
     W <- clip(W + alpha sgn(H_tgt - H_bar), 1, w_max) and M <- clip(M - alpha sgn(H_tgt - H_bar), m_min, 1).
+    A non-finite H_bar returns `state` unchanged (every field, `last_entropy` included).
     """
     h = jnp.asarray(entropy, jnp.float32)
+    ok = jnp.isfinite(h)
     gate = (h < settings.target_entropy) if settings.enabled else jnp.bool_(False)
     w, m = state.w, state.m
     if settings.enabled and settings.adaptive:
         direction = jnp.sign(jnp.float32(settings.target_entropy) - h)
         w = jnp.clip(w + settings.alpha * direction, 1.0, settings.w_max)
         m = jnp.clip(m - settings.alpha * direction, settings.m_min, 1.0)
-    return ControllerState(w=jnp.asarray(w, jnp.float32), m=jnp.asarray(m, jnp.float32),
-                           gate_on=jnp.asarray(gate, bool), last_entropy=h)
+    new = ControllerState(w=jnp.asarray(w, jnp.float32), m=jnp.asarray(m, jnp.float32),
+                          gate_on=jnp.asarray(gate, bool), last_entropy=h)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, state)

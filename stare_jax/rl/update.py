@@ -145,7 +145,8 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
     add the polarity-entropy metrics and multiply the weights by the keep mask. Metrics: `entropy`
     (H_bar), `stare_gate_on`, `stare_w`, `stare_m`, `stare_lplus_frac` / `stare_lminus_frac`
     (fraction of valid tokens selected into L+ / L- this step; 0 when the gate is off or STARE is
-    disabled), the surprisal quadrant diagnostics and `pe_quad_*` (with `quadrants`).
+    disabled), `stare_entropy_nonfinite` (1 when H_bar was not finite and the controller was left
+    unchanged), the surprisal quadrant diagnostics and `pe_quad_*` (with `quadrants`).
     """
     sg = jax.lax.stop_gradient
     log_probs, entropy = sg(log_probs), sg(entropy)
@@ -172,6 +173,7 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
         "stare_m": new.m,
         "stare_lplus_frac": lplus.sum().astype(jnp.float32) / count,
         "stare_lminus_frac": lminus.sum().astype(jnp.float32) / count,
+        "stare_entropy_nonfinite": 1.0 - jnp.isfinite(h_bar).astype(jnp.float32),
     }
     metrics.update(quadrant_diagnostics(log_probs, entropy, pi2_dev, advantages, weights, mask))
     if quadrants is not None:

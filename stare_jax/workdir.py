@@ -1,0 +1,95 @@
+"""The run directory: one training at a time (a lock), and leftovers of killed runs removed.
+
+`WORKDIR/.lock` is held with `fcntl.flock` by process 0 of a training for its whole life; the
+kernel releases it when the process dies, however it dies, so a stale lock never blocks a
+re-run. Evaluation and export only read and take no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import logging
+import os
+import shutil
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+
+
+class WorkdirError(ValueError):
+    """The workdir cannot be used: it is a file, or another training holds it."""
+
+
+def check_workdir(workdir: str) -> str:
+    """The absolute `workdir`, or WorkdirError when the path exists and is not a directory."""
+    path = os.path.abspath(workdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise WorkdirError(f"--workdir: {workdir} exists and is not a directory; allowed: a directory path "
+                           f"(created if absent)")
+    return path
+
+
+class WorkdirLock:
+    """An exclusive, non-blocking `flock` on WORKDIR/.lock (the holder's pid written inside)."""
+
+    def __init__(self, workdir: str):
+        self.path = os.path.join(workdir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> "WorkdirLock":
+        """Takes the lock or raises WorkdirError naming the holder."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkdirError(f"--workdir: {os.path.dirname(self.path)} is in use by another training (pid "
+                               f"{holder}, lock {self.path}); wait for it to end or use another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Releases the lock (the file stays; its presence means nothing without the flock)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "WorkdirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed, unreaped process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale_tmp_dirs(path: str) -> list[str]:
+    """Removes `<path>.tmp-<pid>` directories whose process is gone (left by a kill while the
+    directory was being written); returns the removed paths."""
+    removed = []
+    for tmp in glob.glob(glob.escape(path) + ".tmp-*"):
+        suffix = tmp.rsplit(".tmp-", 1)[1]
+        if suffix.isdigit() and not _pid_alive(int(suffix)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("removed %s, left by a killed process", tmp)
+            removed.append(tmp)
+    return removed

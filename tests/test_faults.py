@@ -1,0 +1,338 @@
+"""Fault tests of issue 19: damaged checkpoints, preemption signals, bad input, leftovers, a second
+training in the same workdir. Each kills, corrupts or signals a real training process (tiny
+embedded model, a few steps) or runs the command-line entry points as a user would. The fault
+matrix in docs/faults.md names these tests.
+"""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from stare_jax import checkpoint as ckpt_lib
+from stare_jax import trainer
+from stare_jax.writers import read_jsonl
+
+from tests.e2e_helpers import (QUICKSTART, ROOT, comparable, override_args, run_train, subprocess_env, tiny_overrides,
+                               train_cmd)
+
+EVAL = {"eval.enabled": True, "eval.n": 2, "eval.max_prompts": 4}
+SLOW = {"reward.name": "tests.train_fixtures:slow_reward"}
+
+
+def _run(module_args, timeout=300, **env):
+    return subprocess.run([sys.executable, "-m", *module_args], cwd=ROOT, env=subprocess_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _evaluate(workdir, *extra):
+    return _run(["stare_jax.evaluate", "--config", QUICKSTART, "--workdir", workdir, "--n", "2",
+                 "--config.eval.max_prompts=4", "--config.reward.num_workers=1", *extra])
+
+
+def _export(workdir, out, *extra):
+    return _run(["stare_jax.export", "--workdir", workdir, "--out", out, *extra])
+
+
+def _wait_rows(path, n, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {n} rows (process exit {proc.poll()})")
+
+
+def _copy(workdir, tmp_path):
+    dst = str(tmp_path / "copy")
+    shutil.copytree(workdir, dst, ignore=shutil.ignore_patterns(".lock"))
+    return dst
+
+
+def _flip_byte_in_largest_data_file(workdir, step):
+    d = os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_0", "d")
+    path = max((os.path.join(d, f) for f in os.listdir(d)), key=os.path.getsize)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x40  # one bit, inside raw array bytes: Orbax itself restores this silently
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model, tmp_path_factory):
+    """A 4-step run (checkpoints 2 and 4) killed right after its last checkpoint committed and before
+    its final evaluation, then re-run: (workdir, overrides, killed result, eval existed after the
+    kill, rerun result)."""
+    model, data = tiny_model
+    workdir = str(tmp_path_factory.mktemp("faults") / "run")
+    overrides = tiny_overrides(model, data, total_steps=4, checkpoint_every=2, **EVAL)
+    killed = run_train(workdir, overrides, **{trainer.FAULT_KILL_BEFORE_FINAL_EVAL: "1"})
+    eval_after_kill = os.path.exists(os.path.join(workdir, "eval", "step_4.json"))
+    rerun = run_train(workdir, overrides)
+    return workdir, overrides, killed, eval_after_kill, rerun
+
+
+# ----------------------------------------------------------------------------- items 1-3: checkpoints
+
+def test_final_eval_is_written_by_the_rerun_after_a_kill_before_it(finished_run):
+    workdir, _, killed, eval_after_kill, rerun = finished_run
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not eval_after_kill
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from step 4" in rerun.stderr
+    result = json.load(open(os.path.join(workdir, "eval", "step_4.json")))
+    assert result["step"] == 4 and result["results"]["countdown"]["n"] == 2
+
+
+def test_bit_flip_in_checkpoint_is_detected_and_every_entry_point_falls_back(finished_run, tmp_path):
+    workdir, overrides, *_ = finished_run
+    work = _copy(workdir, tmp_path)
+    good_eval = open(os.path.join(work, "eval", "step_4.json")).read()
+    _flip_byte_in_largest_data_file(work, 4)
+
+    r = _evaluate(work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint step 4 is unusable" in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 2
+    assert open(os.path.join(work, "eval", "step_4.json")).read() == good_eval  # the good result is kept
+
+    r = _export(work, str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint step 4 is unusable" in r.stderr and "exported step 2" in r.stdout
+
+    r = run_train(work, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "moved aside" in r.stderr and "resumed from step 2" in r.stderr
+    assert comparable(read_jsonl(os.path.join(work, "metrics.jsonl"))) == \
+        comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
+
+
+def test_missing_manifest_falls_back_without_asyncio_noise(finished_run, tmp_path):
+    workdir, overrides, *_ = finished_run
+    work = _copy(workdir, tmp_path)
+    os.remove(os.path.join(work, "checkpoints", "4", "state", "manifest.ocdbt"))
+    r = _export(work, str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "missing file" in r.stderr and "exported step 2" in r.stdout
+    assert "Event loop is closed" not in r.stderr and "Traceback" not in r.stderr
+    r = run_train(work, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "missing file" in r.stderr and "resumed from step 2" in r.stderr
+    assert "Event loop is closed" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_nonfinite_checkpoint_is_never_restored(tmp_path):
+    """A state saved with NaN parameters (its digest is valid: the damage is in the values) is refused
+    by every restore; the previous step is used instead."""
+    import jax
+    import jax.numpy as jnp
+
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path), keep=3)
+    good = {"train": {"model": {"w": jnp.ones((4, 3))}, "controller": {"last_entropy": jnp.float32(jnp.nan)}}}
+    bad = {"train": {"model": {"w": jnp.ones((4, 3)).at[1, 2].set(jnp.nan)},
+                     "controller": {"last_entropy": jnp.float32(0.5)}}}
+    ckpt.save(1, good, {}, {"step": 1})
+    ckpt.save(2, bad, {}, {"step": 2})
+    ckpt.wait()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), good)
+    ro = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
+    with pytest.raises(ckpt_lib.CheckpointUnusableError, match="non-finite values in train/model/w"):
+        ro.restore({"train": {"model": abstract["train"]["model"]}}, step=2, partial=True)
+    assert ro.restore({"train": {"model": abstract["train"]["model"]}}, partial=True)[0] == 1
+    ro.close()
+    step, state, _, _ = ckpt.restore(abstract)
+    assert step == 1 and np.isfinite(np.asarray(state["train"]["model"]["w"])).all()
+    assert sorted(os.listdir(ckpt.directory)) == ["1", "2.invalid-0"]
+    ckpt.close()
+
+
+def test_state_digest_catches_any_single_bit_flip_and_ignores_the_layout():
+    import jax
+    import jax.numpy as jnp
+
+    from stare_jax import parallel
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    base = ckpt_lib.state_digest({"x": x})["x"][0]
+    raw = np.asarray(x).view(np.uint32).copy()
+    for i, bit in ((0, 0), (37, 31), (127, 7), (64, 22)):
+        flipped = raw.copy().reshape(-1)
+        flipped[i] ^= np.uint32(1 << bit)
+        assert ckpt_lib.state_digest({"x": jnp.asarray(flipped.view(np.float32).reshape(8, 16))})["x"][0] != base
+    mesh = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "tensor")))
+    assert ckpt_lib.state_digest({"x": sharded})["x"][0] == base
+    assert ckpt_lib.digest_problem({"x": ([1, 2], True)}, {"algorithm": ckpt_lib.DIGEST_ALGORITHM,
+                                                          "leaves": {"x": [1, 3]}}).startswith("content digest")
+
+
+# ----------------------------------------------------------------------------- item 4: signals, item 6: lock
+
+def _tb_events(directory):
+    """(file, Event) of every record of the TensorBoard event files in `directory`, oldest file first."""
+    from tensorboardX.proto import event_pb2
+
+    for path in sorted(glob.glob(os.path.join(directory, "events.*")), key=os.path.getmtime):
+        data = open(path, "rb").read()
+        i = 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[i + 12:i + 12 + n])
+            yield path, event
+            i += 12 + n + 4
+
+
+def test_sigterm_saves_the_step_and_exits_143_and_a_second_training_is_refused(tiny_model, tmp_path):
+    model, data = tiny_model
+    overrides = tiny_overrides(model, data, total_steps=8, checkpoint_every=8, keep_checkpoints=1,
+                               **{"logging.tensorboard": True}, **SLOW)
+    ref = str(tmp_path / "ref")
+    r = run_train(ref, {**overrides, "checkpoint_every": 2})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Old steps are retired by an atomic rename, then removed: only the newest step remains.
+    assert sorted(os.listdir(os.path.join(ref, "checkpoints"))) == ["8"]
+
+    workdir = str(tmp_path / "run")
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    proc = subprocess.Popen(train_cmd(workdir, overrides), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_rows(metrics, 2, proc)
+        second = run_train(workdir, overrides)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [second.stderr.strip()]
+        assert "is in use by another training" in second.stderr
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM: saved a checkpoint at step ")
+    step = int(last.split("step ")[1].split(";")[0])
+    assert 2 <= step < 8
+    assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(step)
+    assert [row["step"] for row in read_jsonl(metrics)] == list(range(step))
+
+    r = run_train(workdir, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step}" in r.stderr
+    assert comparable(read_jsonl(metrics)) == comparable(read_jsonl(os.path.join(ref, "metrics.jsonl")))
+    # TensorBoard is told to hide the first attempt's events of the redone steps (none here: the
+    # checkpoint is at the last completed step, so nothing is redone; the purge marker is there).
+    events = list(_tb_events(os.path.join(workdir, "tensorboard")))
+    newest = events[-1][0]
+    starts = [e.step for f, e in events if f == newest and e.HasField("session_log")
+              and e.session_log.status == e.session_log.START]
+    assert starts == [step]
+
+
+def test_second_sigint_exits_at_once_without_saving(tiny_model, tmp_path):
+    model, data = tiny_model
+    overrides = tiny_overrides(model, data, total_steps=50, checkpoint_every=50, **SLOW)
+    workdir = str(tmp_path / "run")
+    proc = subprocess.Popen(train_cmd(workdir, overrides), cwd=ROOT,
+                            env=subprocess_env(STARE_TEST_REWARD_DELAY="0.15"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_rows(os.path.join(workdir, "metrics.jsonl"), 1, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # well inside the ~2.4 s step the first signal lets finish
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "SIGINT again: exiting at once" in err and "saved a checkpoint" not in err
+    assert not any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints")))
+
+
+# ----------------------------------------------------------------------------- item 5: bad input
+
+def _one_line_exit_2(r, *needles):
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    for needle in needles:
+        assert needle in last, (needle, last)
+
+
+def test_bad_training_inputs_exit_2_with_one_line(tiny_model, tmp_path):
+    model, data = tiny_model
+    base = tiny_overrides(model, data)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (str(tmp_path / "a"), {**base, "data.train_files": "/nonexistent/train.jsonl"}, [],
+         ("data.train_files", "data.name='countdown' does not use it")),
+        (str(tmp_path / "b"), {**base, "model.path": "/nonexistent/model"}, [], ("model.path", "/nonexistent/model")),
+        (str(afile), base, [], ("--workdir", str(afile), "not a directory")),
+        (str(tmp_path / "c"), base, ["--config", "configs/nonexistent.py"], ("configs/nonexistent.py", "no such file")),
+    ]
+    for workdir, overrides, config_args, needles in cases:
+        cmd = train_cmd(workdir, overrides)
+        if config_args:
+            cmd[cmd.index("--config"):cmd.index("--config") + 2] = config_args
+        r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        _one_line_exit_2(r, *needles)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_bad_evaluate_and_export_inputs_exit_2_with_one_line(finished_run, tmp_path):
+    workdir, *_ = finished_run
+    _one_line_exit_2(_evaluate(workdir, "--step", "3"), "no complete step 3")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_exit_2(_evaluate(str(empty)), str(empty), "no checkpoints")
+    out = tmp_path / "model.safetensors"
+    out.write_text("precious")
+    _one_line_exit_2(_export(workdir, str(out)), "--out", "exists and is a file")
+    assert out.read_text() == "precious"
+
+
+# ----------------------------------------------------------------------------- item 6: leftovers
+
+def test_kill_during_warm_start_leaves_no_model_tmp(tmp_path):
+    """The embedded model is written to WORKDIR/model.tmp-<pid> and renamed; a SIGKILL in between
+    left that directory forever. The next run removes it."""
+    workdir = str(tmp_path / "run")
+    tiny = {"model.embedded.hidden_size": 16, "model.embedded.num_layers": 1, "model.embedded.num_heads": 2,
+            "model.embedded.num_kv_heads": 1, "model.embedded.intermediate_size": 32, "warmstart.batch_size": 8}
+    overrides = tiny_overrides("", str(tmp_path / "tfds"), **tiny, **{"warmstart.steps": 100000})
+    proc = subprocess.Popen(train_cmd(workdir, overrides), cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not glob.glob(os.path.join(workdir, "model.tmp-*")):
+            time.sleep(0.05)
+        assert glob.glob(os.path.join(workdir, "model.tmp-*")), "the warm start never began"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    r = run_train(workdir, {**overrides, "warmstart.steps": 2, "total_steps": 1, "checkpoint_every": 1})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert glob.glob(os.path.join(workdir, "model.tmp-*")) == []
+    assert "left by a killed process" in r.stderr
+
+
+def test_half_deleted_retired_step_is_removed_on_the_next_start(finished_run, tmp_path):
+    """Orbax retires old steps by renaming them into checkpoints/todelete/ (atomic) before removing
+    them; what a kill leaves there is removed by the next start and never listed as a step."""
+    workdir, overrides, *_ = finished_run
+    work = _copy(workdir, tmp_path)
+    leftover = os.path.join(work, "checkpoints", ckpt_lib.TODELETE, "1", "state")
+    os.makedirs(leftover)
+    open(os.path.join(leftover, "_METADATA"), "w").write("{")
+    r = run_train(work, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(work, "checkpoints"))) == ["2", "4"]
