@@ -474,8 +474,13 @@ def check_paths(config) -> None:
     import os
 
     c = config
-    if c.model.path == "smollm2":  # a packaged model name, resolved by the trainer
-        pass
+    if c.model.path == "smollm2":  # the packaged model: its file must be installed
+        from stare_jax.models.gguf import GGUFImportError, smollm2_gguf_path
+
+        try:
+            smollm2_gguf_path()
+        except GGUFImportError as e:
+            raise ConfigError("model.path", f"'smollm2': {e}") from None
     elif c.model.path.endswith(".gguf"):
         if not os.path.isfile(c.model.path):
             raise ConfigError("model.path", f"{c.model.path}: no such file; allowed: a Hugging Face model directory "

