@@ -370,13 +370,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             known = sorted(k for k in SCHEMA if (k.rsplit(".", 1)[0] if "." in k else "") == section)
             raise ConfigError(key, f"unknown key; allowed keys{' in ' + section if section else ''}: "
                                    + ", ".join(known))
-    for key, spec in SCHEMA.items():
+    for key in SCHEMA:
         if key not in flat:
             raise ConfigError(key, "missing (start config files from stare_jax.config.default_config())")
+    _check_value("data.name", flat["data.name"], SCHEMA["data.name"])
+    unused_data_key(config)  # before the values: a key the task ignores is refused whatever its value
+    for key, spec in SCHEMA.items():
         _check_value(key, flat[key], spec)
 
     c = config
-    unused_data_key(c)
     if c.stare.m_min > c.stare.m:
         raise ConfigError("stare.m_min", f"got {c.stare.m_min}; allowed: <= stare.m ({c.stare.m})")
     if c.stare.w > c.stare.w_max and c.stare.adaptive:
