@@ -296,8 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         rows = [ROW_BY_NAME[n] for n in a.rows.split(",")]
     seeds = {r.name: tuple(int(s) for s in a.seeds.split(",")) if a.seeds else DEFAULT_SEEDS[r.name] for r in rows}
-    # seed-major, the compared pair first: an interrupted study has the comparison for the first seeds
-    jobs = sorted(((r, s) for r in rows for s in seeds[r.name]), key=lambda j: (j[1], rows.index(j[0])))
+    # the compared pair (GRPO-ds, STARE) first for every seed, then the other rows seed-major: an
+    # interrupted study has the comparison complete
+    core = ("grpo_ds", "stare")
+    jobs = sorted(((r, s) for r in rows for s in seeds[r.name]),
+                  key=lambda j: (j[0].name not in core, j[1], rows.index(j[0])))
     root = os.path.abspath(a.root)
     os.makedirs(root, exist_ok=True)
     base = es.load_base_config(STARE)
