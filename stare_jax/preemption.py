@@ -38,12 +38,36 @@ class Preempted(Exception):
         return 128 + self.signum
 
 
+class Interrupted(Exception):
+    """A stop signal arrived before the train loop began (model set-up, warm start, data, the initial
+    evaluation): there is nothing to save, so the run ends at once."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} before the first training step: nothing to "
+                         f"save; rerun the same command to start again")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number."""
+        return 128 + self.signum
+
+
 class StopSignal:
-    """Installs the SIGTERM/SIGINT handlers (main thread only) for the duration of a `with` block."""
+    """Installs the SIGTERM/SIGINT handlers (main thread only) for the duration of a `with` block.
+
+    Until `defer()` (called when the train loop starts) a signal raises `Interrupted` at once: the
+    set-up has nothing to save, and a warm start or a model conversion may take minutes. After it,
+    the first signal only sets the flag the loop reads after each step."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.deferring = False
         self._previous: dict[int, object] = {}
+
+    def defer(self) -> None:
+        """From now on, a first signal is deferred to the end of the current step."""
+        self.deferring = True
 
     def __enter__(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
@@ -61,6 +85,8 @@ class StopSignal:
             sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once without saving\n")
             sys.stderr.flush()
             os._exit(128 + signum)
+        if not self.deferring:
+            raise Interrupted(signum)
         self.signum = signum  # the one line is printed when the checkpoint is saved (Preempted)
 
     def agreed(self, step: int) -> int | None:

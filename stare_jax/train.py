@@ -58,13 +58,21 @@ def main(argv=None) -> None:
     from stare_jax import checkpoint, trainer
     from stare_jax.data import DataFormatError
     from stare_jax.dynamic_sampling import DynamicSamplingError
-    from stare_jax.preemption import Preempted
+    from stare_jax.models.gguf import GGUFImportError
+    from stare_jax.preemption import Interrupted, Preempted
 
     try:
         trainer.train(config, workdir)
-    except Preempted as e:
+    except (Preempted, Interrupted) as e:
         print(str(e), file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the handlers are installed
+        print("stopped by SIGINT before the first training step: nothing to save; rerun the same command to "
+              "start again", file=sys.stderr)
+        sys.exit(130)
+    except GGUFImportError as e:
+        print(f"model error: {e}", file=sys.stderr)
+        sys.exit(2)
     except workdir_lib.WorkdirError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

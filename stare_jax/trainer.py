@@ -431,6 +431,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
             base = _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, 0, workdir, eos_ids,
                              pad_id, mesh)
             log.info("initial policy: %s", ", ".join(f"{k} {v:.3f}" for k, v in sorted(base.items())))
+        stop.defer()  # from here a signal ends the step in progress and saves (before: nothing to save)
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
             compilations.take()

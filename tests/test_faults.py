@@ -336,3 +336,23 @@ def test_half_deleted_retired_step_is_removed_on_the_next_start(finished_run, tm
     r = run_train(work, overrides)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(work, "checkpoints"))) == ["2", "4"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
+def test_signal_during_warm_start_exits_at_once_with_one_line(tmp_path, sig, code):
+    """SIGINT / SIGTERM before the training loop (here: inside a warm start that would take hours)
+    end the run at once with one line and status 130 / 143, no traceback (nothing to save yet)."""
+    workdir = str(tmp_path / "run")
+    tiny = {"model.embedded.hidden_size": 16, "model.embedded.num_layers": 1, "model.embedded.num_heads": 2,
+            "model.embedded.num_kv_heads": 1, "model.embedded.intermediate_size": 32, "warmstart.batch_size": 8}
+    overrides = tiny_overrides("", str(tmp_path / "tfds"), **tiny, **{"warmstart.steps": 100000})
+    proc = subprocess.Popen(train_cmd(workdir, overrides), cwd=ROOT, env=subprocess_env(), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(os.path.join(workdir, "model.tmp-*")):
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"stopped by {sig.name} before the first"), err

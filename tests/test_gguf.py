@@ -150,3 +150,16 @@ def test_cli_converts(tmp_path):
     assert sorted(p for p in os.listdir(tmp_path / "hf") if p.endswith(".json") or p.endswith(".safetensors")) == [
         "config.json", "generation_config.json", "model.safetensors", "stare_gguf.json", "tokenizer.json",
         "tokenizer_config.json"]
+
+
+def test_training_on_a_damaged_gguf_exits_2_with_one_line(tmp_path):
+    """model.path naming a .gguf that is not a readable GGUF: one line, exit 2, no traceback."""
+    from tests.e2e_helpers import ROOT, subprocess_env
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    r = subprocess.run([sys.executable, "-m", "stare_jax.train", "--config", os.path.join(ROOT, "configs", "smollm2_math.py"),
+                        "--workdir", str(tmp_path / "run"), f"--config.model.path={bad}"], cwd=ROOT,
+                       env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in r.stderr.strip().splitlines() if "model error" in ln or "Traceback" in ln]
+    assert r.returncode == 2 and len(lines) == 1 and "not a readable GGUF file" in lines[0], r.stderr[-2000:]
