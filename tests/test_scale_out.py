@@ -27,10 +27,10 @@ def _close(a, b, tol=1e-6):
             assert a[k] == b[k], (k, a[k], b[k])
 
 
-@pytest.mark.parametrize("mesh", [(-1, 1, 1), (2, 2, 1), (2, 1, 2)], ids=["data4", "data2_fsdp2", "data2_tensor2"])
+@pytest.mark.parametrize("mesh", [(2, 2, 1), (2, 1, 2)], ids=["data2_fsdp2", "data2_tensor2"])
 def test_two_processes_of_two_devices_match_one_process_of_four(tiny_model, tmp_path, mesh):
     """Issue 19 item 8: the topology (processes x devices) does not change the trajectory beyond
-    reduction-order noise, for data, fsdp and tensor layouts (3 steps, every metric within 1e-6)."""
+    reduction-order noise, for a data x fsdp and a data x tensor layout (3 steps, every metric within 1e-6)."""
     model, data = tiny_model
     overrides = tiny_overrides(model, data, total_steps=3, checkpoint_every=3,
                                **{"mesh.data": mesh[0], "mesh.fsdp": mesh[1], "mesh.tensor": mesh[2]})
