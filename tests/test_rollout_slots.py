@@ -14,21 +14,10 @@ from stare_jax.compilation import CompilationCounter
 from stare_jax.models import from_pretrained
 from stare_jax.rollout import generate, sampler, slots
 from tests import hf_fixtures
+from tests.test_rollout import policies, prompts  # noqa: F401  (the same tiny policies and prompts)
 
 FREQUENT = (2, 5, 7, 11, 13)  # EOS ids common enough on the tiny models that rows stop at varied steps
 PAD = 0
-
-
-@pytest.fixture(scope="module")
-def policies(tiny_checkpoints):
-    """{family: Policy} on one device, loaded from the tiny HF checkpoints."""
-    return {name: from_pretrained(path, load_tokenizer=False) for name, path in tiny_checkpoints.items()}
-
-
-def prompts():
-    """A left-padded batch of three prompts of lengths 9, 5 and 2."""
-    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(9, 5, 2), total=9)
-    return ids.astype(np.int32), mask.astype(np.int32)
 
 
 def assert_same_rollout(got, ref):
