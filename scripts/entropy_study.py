@@ -409,6 +409,19 @@ def collect(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: i
     return summaries, metric_rows
 
 
+def write_report(lines: Sequence[str], out_md: str, root: str, summary: dict) -> str:
+    """Joins the report's Markdown lines, writes them to `out_md` (if given) and `summary` to
+    ROOT/summary.json; returns the text."""
+    text = "\n".join(lines) + "\n"
+    if out_md:
+        os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
+        with open(out_md, "w") as f:
+            f.write(text)
+    with open(os.path.join(root, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return text
+
+
 def report(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: int, target_entropy: float,
            group_size: int, out_png: str, out_md: str, wall_s: float | None, command: str) -> str:
     summaries, metric_rows = collect(root, rows, seeds, total_steps, target_entropy, group_size)
@@ -431,13 +444,7 @@ def report(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: in
         lines.append(f"- sum of per-run wall times: {sum(run_walls) / 60:.1f} min over {len(run_walls)} runs")
     if wall_s is not None:
         lines.append(f"- study wall time (this invocation): {wall_s / 60:.1f} min")
-    text = "\n".join(lines) + "\n"
-    if out_md:
-        os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
-        with open(out_md, "w") as f:
-            f.write(text)
-    with open(os.path.join(root, "summary.json"), "w") as f:
-        json.dump({"summaries": summaries, "aggregate": agg, "checks": checks}, f, indent=1, default=str)
+    text = write_report(lines, out_md, root, {"summaries": summaries, "aggregate": agg, "checks": checks})
     if out_png and metric_rows:
         plot_study(metric_rows, agg, labels, target_entropy, out_png,
                    title=f"entropy study: {total_steps} steps, seeds {','.join(map(str, seeds))}")

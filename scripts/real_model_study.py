@@ -259,13 +259,7 @@ def report(root: str, jobs: Sequence[tuple[es.Row, int]], total_steps: int, targ
     walls = [r.get("wall_s") for v in summaries.values() for r in v if r.get("wall_s")]
     if walls:
         lines.append(f"Sum of per-run wall times: {sum(walls) / 60:.1f} min over {len(walls)} runs.")
-    text = "\n".join(lines) + "\n"
-    if out_md:
-        os.makedirs(os.path.dirname(os.path.abspath(out_md)), exist_ok=True)
-        with open(out_md, "w") as f:
-            f.write(text)
-    with open(os.path.join(root, "summary.json"), "w") as f:
-        json.dump({"summaries": summaries, "aggregate": agg}, f, indent=1, default=str)
+    text = es.write_report(lines, out_md, root, {"summaries": summaries, "aggregate": agg})
     if out_png and metric_rows:
         plot(metric_rows, summaries, labels, target_entropy, out_png,
              f"SmolLM2-135M-Instruct, arithmetic word problems: {total_steps} steps")

