@@ -45,10 +45,17 @@ ROWS: tuple[es.Row, ...] = (
     es.Row("stare", "STARE (recipe)", STARE),
     es.Row("entropy_bonus", "entropy bonus (c=0.01)", GRPO, (("loss.name", "entropy_bonus"), ("loss.entropy_coef", 0.01))),
     es.Row("hapo", "HAPO (alpha=0.2, phi=2)", GRPO, (("loss.name", "hapo"),)),
+    # the recipe's controller moves W by alpha = 0.1 per step: in STARE seed 0 it walked W down to its
+    # floor 1.0 while H was above H_tgt (steps 4-12), the gate opened at step 13, H held 0.39-0.54 to
+    # step 25 while W rose only to 1.9, then fell to 0.17-0.31 with W 2-3.3. The same settings with a
+    # controller three times as fast and more headroom (W 1 -> 6 in 17 gated steps).
+    es.Row("stare_fast", "STARE, fast controller (alpha 0.3, w_max 6, m_min 0.1)", STARE,
+           (("stare.alpha", 0.3), ("stare.w_max", 6.0), ("stare.m_min", 0.1))),
 )
 ROW_BY_NAME = {r.name: r for r in ROWS}
 #: seeds of each row when --seeds is not given: two for the pair the issue compares, one for the rest
-DEFAULT_SEEDS = {"grpo_ds": (0, 1), "stare": (0, 1), "entropy_bonus": (0,), "hapo": (0,)}
+DEFAULT_SEEDS = {"grpo_ds": (0, 1), "stare": (0, 1), "entropy_bonus": (0,), "hapo": (0,),
+                 "stare_fast": (0,)}
 PASS_KS = (1, 2, 4, 8)
 
 

@@ -56,7 +56,9 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log
 ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               # the polarity-entropy family (issue 18): their defaults leave earlier methods unchanged
               "loss.hapo_alpha": 0.2, "loss.hapo_phi": 2.0, "loss.entropy_adv_alpha": 0.4,
-              "loss.entropy_adv_kappa": 2.0, "loss.w_reinforce_lambda": 0.1, "loss.quadrants": ""}
+              "loss.entropy_adv_kappa": 2.0, "loss.w_reinforce_lambda": 0.1, "loss.quadrants": "",
+              # slot-refilling rollouts (issue 20): 0 is the static batch every earlier run used
+              "rollout.slots": 0}
 
 
 DIGEST_ALGORITHM = "u32-wsum-mix-v1"

@@ -180,3 +180,23 @@ def test_missing_paths_are_config_errors(tmp_path):
     c.data.name, c.data.train_files = "math", str(tmp_path / "missing.jsonl")
     with pytest.raises(config_lib.ConfigError, match="data.train_files: .*missing.jsonl: no such file"):
         config_lib.check_paths(c)
+
+
+def test_every_key_added_since_saved_runs_is_declared_so_they_still_resume():
+    """A run saved before a key existed must resume after the upgrade: each new key needs its
+    old-behaviour value in checkpoint.ADDED_KEYS (rollout.slots was once missed, and every run saved
+    before it refused to resume with "config differs in rollout.slots: None -> 0")."""
+    from stare_jax import checkpoint as ckpt_lib
+
+    path = os.path.join(os.path.dirname(__file__), "config_keys_before_issue18.txt")
+    with open(path) as f:
+        old_keys = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    current = ckpt_lib.config_to_json(config_lib.default_config())
+    added = sorted(set(current) - old_keys)
+    undeclared = [k for k in added if k not in ckpt_lib.ADDED_KEYS and not any(
+        k == p or (p.endswith(".") and k.startswith(p)) for p in ckpt_lib.RESUMABLE_CHANGES)]
+    assert undeclared == [], f"keys added without an old-behaviour value in checkpoint.ADDED_KEYS: {undeclared}"
+    # and the declared value is the default, so a saved run resumes under the default config
+    assert all(current[k] == ckpt_lib.ADDED_KEYS[k] for k in added if k in ckpt_lib.ADDED_KEYS)
+    saved = {k: v for k, v in current.items() if k in old_keys}
+    assert ckpt_lib.incompatible_keys(saved, current) == []
