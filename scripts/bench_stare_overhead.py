@@ -12,7 +12,12 @@ two run in separate processes a few percent apart. Prints one JSON line:
     update_cpu_overhead the same from process CPU time (immune to time stolen by a VM's host)
     step_overhead       (median stare - median grpo) / (rollout + median stare)
 
-    python scripts/bench_stare_overhead.py [--large] [--rounds 15] [--cpu-devices N]
+    python scripts/bench_stare_overhead.py [--large] [--rounds 15] [--cpu-devices N] [--pe-metrics]
+
+With `--pe-metrics` the two alternating steps are STARE's with and without the polarity-entropy
+metrics (`pe_quad_*`, issue 18): the second is the same step traced with
+`diagnostics.polarity_entropy_diagnostics` returning nothing, so XLA drops the quadrant masks too.
+The keys then read `with_update_s`, `without_update_s`, and the overheads are with / without - 1.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds (one update of each loss per round)")
     ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
+    ap.add_argument("--pe-metrics", action="store_true",
+                    help="time STARE's step with vs without the pe_quad_* metrics instead of STARE vs GRPO")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -50,11 +57,22 @@ def main() -> None:
         workload["checkpoint"] = os.path.join(tmp, "model")
         subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
                        + (["--large"] if args.large else []), check=True, stdout=subprocess.DEVNULL)
-        print(json.dumps(measure(workload, args.rounds)))
+        print(json.dumps(measure(workload, args.rounds, pe_metrics=args.pe_metrics)))
 
 
-def measure(workload: dict, rounds: int) -> dict:
+def _without_pe_metrics():
+    """Context in which a traced update step computes no polarity-entropy metrics."""
+    from unittest import mock
+
+    from stare_jax.rl import update
+
+    return mock.patch.object(update, "polarity_entropy_diagnostics", lambda *a, **k: {})
+
+
+def measure(workload: dict, rounds: int, pe_metrics: bool = False) -> dict:
     """Builds both update steps on one sampled batch and times them alternately (see the module doc)."""
+    import contextlib
+
     import jax
     import numpy as np
     from flax import nnx
@@ -64,9 +82,17 @@ def measure(workload: dict, rounds: int) -> dict:
     from stare_jax.rl import create_train_state, make_update_step
     from stare_jax.rollout import generate
 
-    configs = {loss: ours_peer.bench_config(dict(workload, loss=loss)) for loss in ("stare", "grpo")}
-    distributed.initialize(configs["stare"])
-    mesh = parallel.mesh_from_config(configs["stare"].mesh)
+    if pe_metrics:  # the same STARE config twice; the second traced without the pe_quad_* metrics
+        names = ("with", "without")
+        configs = {n: ours_peer.bench_config(dict(workload, loss="stare")) for n in names}
+        trace_ctx = {"with": contextlib.nullcontext, "without": _without_pe_metrics}
+    else:
+        names = ("stare", "grpo")
+        configs = {loss: ours_peer.bench_config(dict(workload, loss=loss)) for loss in names}
+        trace_ctx = {n: contextlib.nullcontext for n in names}
+    first, second = names
+    distributed.initialize(configs[first])
+    mesh = parallel.mesh_from_config(configs[first].mesh)
     steps = {}
     for loss, config in configs.items():
         policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
@@ -74,7 +100,7 @@ def measure(workload: dict, rounds: int) -> dict:
         state = create_train_state(policy.model, config, mesh=mesh)
         steps[loss] = [make_update_step(config, mesh, state), nnx.state(state)]
     sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
-                              scan_layers=configs["stare"].model.scan_layers)  # the updates donate their weights
+                              scan_layers=configs[first].model.scan_layers)  # the updates donate their weights
     ids, _, _ = common.prompts(workload)
     key = jax.random.key(workload["seed"])
 
@@ -92,6 +118,7 @@ def measure(workload: dict, rounds: int) -> dict:
     wall = {loss: [] for loss in steps}
     cpu = {loss: [] for loss in steps}
     rollout_s = []
+    metric_keys = {}
 
     def timed(loss):
         step, state = steps[loss]
@@ -102,24 +129,30 @@ def measure(workload: dict, rounds: int) -> dict:
         wall[loss].append(time.perf_counter() - t)
         cpu[loss].append(time.process_time() - c)
         steps[loss][1] = state
+        metric_keys[loss] = set(metrics)
 
-    for loss in steps:  # compile
-        timed(loss)
+    for loss in steps:  # compile (traced inside the variant's context)
+        with trace_ctx[loss]():
+            timed(loss)
         wall[loss].clear()
         cpu[loss].clear()
+    if pe_metrics:  # the two compiled steps really differ in their metrics
+        has_pe = {n: any(k.startswith("pe_quad_") for k in metric_keys[n]) for n in names}
+        assert has_pe == {"with": True, "without": False}, has_pe
     for r in range(rounds):
-        for loss in (("stare", "grpo") if r % 2 == 0 else ("grpo", "stare")):
+        for loss in ((first, second) if r % 2 == 0 else (second, first)):
             timed(loss)
         t = time.perf_counter()
         rollout()
         rollout_s.append(time.perf_counter() - t)
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    stare, grpo = med(wall["stare"]), med(wall["grpo"])
-    return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": rounds, "devices": jax.device_count(),
-            "stare_update_s": round(stare, 4), "grpo_update_s": round(grpo, 4), "rollout_s": round(med(rollout_s), 4),
-            "update_overhead": round(med([a / b - 1 for a, b in zip(wall["stare"], wall["grpo"])]), 4),
-            "update_cpu_overhead": round(med([a / b - 1 for a, b in zip(cpu["stare"], cpu["grpo"])]), 4),
-            "step_overhead": round((stare - grpo) / (med(rollout_s) + stare), 4)}
+    a, b = med(wall[first]), med(wall[second])
+    return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": rounds,
+            "devices": jax.device_count(), "compared": f"{first} vs {second}" + (" pe_quad metrics" if pe_metrics else ""),
+            f"{first}_update_s": round(a, 4), f"{second}_update_s": round(b, 4), "rollout_s": round(med(rollout_s), 4),
+            "update_overhead": round(med([x / y - 1 for x, y in zip(wall[first], wall[second])]), 4),
+            "update_cpu_overhead": round(med([x / y - 1 for x, y in zip(cpu[first], cpu[second])]), 4),
+            "step_overhead": round((a - b) / (med(rollout_s) + a), 4)}
 
 
 if __name__ == "__main__":
