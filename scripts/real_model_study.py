@@ -2,7 +2,7 @@
 
     python scripts/real_model_study.py --root runs/real_model_study [--rows grpo_ds,stare,...]
         [--seeds 0,1] [--steps N] [--out docs/figures/real_model_study.png] [--table docs/real_model_table.md]
-        [--report-only] [--list]
+        [--report-only] [--list] [--at-step 30]
 
 Every row starts from configs/smollm2_math.py (model, task, rollouts, optimiser, steps, evaluation)
 and differs only in the loss. Each run is the subprocess
@@ -224,21 +224,86 @@ def ensure_model(root: str, env: dict) -> str:
     return out
 
 
+def _run_args(row: es.Row, seed: int, root: str, env: dict) -> list[str]:
+    """The config flags every command of one run shares (train and evaluate)."""
+    return [f"--config.seed={seed}", "--config.logging.progress=False", "--config.logging.tensorboard=False",
+            f"--config.data.data_dir={os.path.join(root, 'tfds')}",
+            f"--config.model.path={ensure_model(root, env)}"] + row.args()
+
+
 def run_one(row: es.Row, seed: int, root: str, steps: int | None, env: dict) -> float:
     """Trains (or resumes) one run; returns its wall time in seconds (raises on failure)."""
     run_dir = os.path.join(root, row.name, f"seed_{seed}")
     os.makedirs(run_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "stare_jax.train", "--config", row.config, "--workdir", run_dir,
-           f"--config.seed={seed}", "--config.logging.progress=False", "--config.logging.tensorboard=False",
-           f"--config.data.data_dir={os.path.join(root, 'tfds')}",
-           f"--config.model.path={ensure_model(root, env)}"] + row.args()
+    cmd = [sys.executable, "-m", "stare_jax.train", "--config", row.config, "--workdir", run_dir] + _run_args(
+        row, seed, root, env)
     if steps:
         cmd.append(f"--config.total_steps={steps}")
     return es.launch(cmd, run_dir, env, f"{row.name} seed {seed}")
 
 
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The committed checkpoint steps of a run (directory names under checkpoints/)."""
+    d = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+def evaluate_at(row: es.Row, seed: int, root: str, step: int, env: dict) -> bool:
+    """Writes RUN/eval/step_<step>.json from the run's step-`step` checkpoint (`stare_jax.evaluate`,
+    the run's own config and evaluation settings) unless it exists; False when the run has no such
+    checkpoint."""
+    run_dir = os.path.join(root, row.name, f"seed_{seed}")
+    if eval_at(run_dir, step) is not None:
+        return True
+    if step not in checkpoint_steps(run_dir):
+        return False
+    cmd = [sys.executable, "-m", "stare_jax.evaluate", "--config", row.config, "--workdir", run_dir,
+           "--step", str(step)] + _run_args(row, seed, root, env)
+    with open(os.path.join(run_dir, "evaluate.log"), "a") as f:
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=f, stderr=subprocess.STDOUT)
+    return eval_at(run_dir, step) is not None
+
+
+def stop_reason(run_dir: str) -> str | None:
+    """The last `error:` line of the run's train.log (why an unfinished run stopped), or None."""
+    try:
+        with open(os.path.join(run_dir, "train.log")) as f:
+            errors = [line.strip() for line in f if line.startswith("error:")]
+    except OSError:
+        return None
+    return errors[-1][len("error:"):].strip() if errors else None
+
+
+def at_step_table(root: str, jobs: Sequence[tuple[es.Row, int]], step: int, labels: dict[str, str],
+                  total_steps: int) -> str:
+    """Markdown: every run that reached checkpoint `step` (finished or not), held-out avg@8 and pass@k
+    there, its entropy over the 5 steps before it, and per row the mean over those runs: the
+    equal-steps comparison that includes runs which stopped before total_steps."""
+    lines = [f"| run | held-out avg@8 at step {step} | pass@1 | pass@2 | pass@4 | pass@8 | H, steps {step - 4}-{step} (mean) "
+             "| run finished? |", "|" + "---|" * 8]
+    per_row: dict[str, list[dict]] = {}
+    for row, seed in jobs:
+        d = os.path.join(root, row.name, f"seed_{seed}")
+        ev = eval_at(d, step)
+        if ev is None:
+            continue
+        h = es._col([r for r in es.read_metrics(d) if step - 5 <= r.get("step", -1) < step], "entropy")
+        fig = {"avg": float(ev.get("avg@8", np.nan)), "h": float(np.nanmean(h)) if h.size else np.nan,
+               **{k: float(ev.get(f"pass@{k}", np.nan)) for k in PASS_KS}}
+        per_row.setdefault(row.name, []).append(fig)
+        lines.append(f"| {labels.get(row.name, row.name)} seed {seed} | {fig['avg']:.3f} | "
+                     + " | ".join(f"{fig[k]:.3f}" for k in PASS_KS) + f" | {fig['h']:.2f} | "
+                     + ("yes" if es.is_finished(d, total_steps) else "no: stopped (" + (stop_reason(d) or "unknown")[:80] + ")") + " |")
+    for name, figs in per_row.items():
+        if len(figs) > 1:
+            mean = lambda key: float(np.mean([f[key] for f in figs]))  # noqa: E731
+            lines.append(f"| **{labels.get(name, name)}, mean of {len(figs)} seeds** | **{mean('avg'):.3f}** | "
+                         + " | ".join(f"{mean(k):.3f}" for k in PASS_KS) + f" | {mean('h'):.2f} | |")
+    return "\n".join(lines)
+
+
 def report(root: str, jobs: Sequence[tuple[es.Row, int]], total_steps: int, target_entropy: float, group_size: int,
-           out_png: str, out_md: str, command: str) -> str:
+           out_png: str, out_md: str, command: str, at_steps: Sequence[int] = ()) -> str:
     """Writes the table (and the figure) of the finished runs; returns the Markdown text."""
     summaries: dict[str, list[dict]] = {}
     metric_rows: dict[str, list[list[dict]]] = {}
@@ -255,6 +320,14 @@ def report(root: str, jobs: Sequence[tuple[es.Row, int]], total_steps: int, targ
         os.path.join(root, r.name, f"seed_{s}"), total_steps)]
     if pending:
         lines.append(f"Not finished (left out above): {', '.join(pending)}")
+        for r, sd in jobs:
+            why = stop_reason(os.path.join(root, r.name, f"seed_{sd}"))
+            if f"{r.name} seed {sd}" in pending and why:
+                done = len(es.read_metrics(os.path.join(root, r.name, f"seed_{sd}")))
+                lines.append(f"- {r.name} seed {sd} stopped after {done} steps: {why}")
+    for step in at_steps:
+        lines += ["", f"Equal steps, every run that reached step {step} (its step-{step} checkpoint evaluated "
+                  "with `--at-step`):", "", at_step_table(root, jobs, step, labels, total_steps)]
     if summaries:
         from bench_peers import common
 
@@ -283,7 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--table", default="", help="also write the Markdown table here (default: ROOT/table.md)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--at-step", default="", help="comma-separated steps: evaluate every run's checkpoint there "
+                   "(runs that stopped early included) and add an equal-steps table")
     a = p.parse_args(argv)
+    at_steps = [int(x) for x in a.at_step.split(",") if x]
     rows = available_rows()
     if a.list:
         for r in ROWS:
@@ -333,8 +409,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = summary(run_dir, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size))
             log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; avg@8 {s.get('base_avg@n', np.nan):.3f} -> "
                 f"{s.get('final_avg@n', np.nan):.3f}, H median last half {s.get('entropy_last_half_median', np.nan):.3f}")
+        for step in at_steps if not a.report_only else []:
+            for row, seed in jobs:
+                try:
+                    if evaluate_at(row, seed, root, step, env):
+                        log(f"{row.name} seed {seed}: held-out evaluation at step {step} written")
+                except subprocess.CalledProcessError as e:
+                    failed.append(f"{row.name} seed {seed} evaluation at step {step}")
+                    log(f"FAILED: evaluation of {row.name} seed {seed} at step {step}: {e}")
         text = report(root, jobs, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size), a.out,
-                      a.table or os.path.join(root, "table.md"), command)
+                      a.table or os.path.join(root, "table.md"), command, at_steps)
         print(text)
         log(f"report written ({(time.time() - t_start) / 60:.1f} min)" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0

@@ -164,3 +164,29 @@ def test_quadrant_study_rows_findings_and_report(tmp_path):
     fake_run(str(root / "q_plr" / "seed_1"), np.full(T, 0.9), acc0=0.3, acc1=0.32, eval_avg=0.3, eval_pass=0.35)
     text = quadrant_study.report(str(root), quadrant_study.ROWS, [0, 1], T, h_tgt, 8, "", "", None, "cmd")
     assert "- [ ] 1a." in text and "- [ ] 2a." in text and "- [x] 2b." in text
+
+
+def test_real_model_study_equal_steps_table_includes_stopped_runs(tmp_path):
+    rms = _load("real_model_study")
+    root, T = tmp_path / "rm", 40
+    rows = [rms.ROW_BY_NAME["grpo_ds"], rms.ROW_BY_NAME["stare"]]
+    for row, seed, steps, avg in (("grpo_ds", 0, 40, 0.6), ("grpo_ds", 1, 30, 0.4), ("stare", 0, 40, 0.7)):
+        d = root / row / f"seed_{seed}"
+        fake_run(str(d), np.full(steps, 0.3 + 0.1 * seed), total_steps=T, finished=steps == T)
+        os.makedirs(d / "eval", exist_ok=True)
+        with open(d / "eval" / "step_30.json", "w") as f:
+            json.dump({"step": 30, "results": {"arith": {"avg@8": avg, "n": 8, "pass@1": avg, "pass@2": avg + 0.05,
+                                                          "pass@4": avg + 0.1, "pass@8": avg + 0.2}}}, f)
+    (root / "grpo_ds" / "seed_1" / "train.log").write_text(
+        "python -m stare_jax.train ...\nerror: dynamic sampling kept only 7 of the 8 groups needed\n")
+    jobs = [(rows[0], 0), (rows[0], 1), (rows[1], 0), (rows[1], 1)]  # stare seed 1 never ran
+    labels = {r.name: r.label for r in rows}
+    text = rms.at_step_table(str(root), jobs, 30, labels, T)
+    lines = text.splitlines()
+    assert len(lines) == 2 + 3 + 1  # header, 3 runs that reached step 30, one mean row (grpo_ds has 2 seeds)
+    assert "GRPO-ds seed 1 | 0.400 | 0.400 | 0.450 | 0.500 | 0.600 | 0.40 | no: stopped (dynamic sampling kept" in text
+    assert "GRPO-ds seed 0 | 0.600" in text and "| yes |" in text
+    assert "**GRPO-ds, mean of 2 seeds** | **0.500** |" in text
+    assert rms.stop_reason(str(root / "grpo_ds" / "seed_1")) == "dynamic sampling kept only 7 of the 8 groups needed"
+    assert rms.stop_reason(str(root / "stare" / "seed_0")) is None
+    assert rms.checkpoint_steps(str(root / "stare" / "seed_0")) == []
