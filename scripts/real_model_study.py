@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--list", action="store_true")
     p.add_argument("--at-step", default="", help="comma-separated steps: evaluate every run's checkpoint there "
-                   "(runs that stopped early included) and add an equal-steps table")
+                   "(runs that stopped early included; with --report-only too) and add an equal-steps table")
     a = p.parse_args(argv)
     at_steps = [int(x) for x in a.at_step.split(",") if x]
     rows = available_rows()
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = summary(run_dir, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size))
             log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; avg@8 {s.get('base_avg@n', np.nan):.3f} -> "
                 f"{s.get('final_avg@n', np.nan):.3f}, H median last half {s.get('entropy_last_half_median', np.nan):.3f}")
-        for step in at_steps if not a.report_only else []:
+        for step in at_steps:  # also with --report-only: no training, but the missing evaluations
             for row, seed in jobs:
                 try:
                     if evaluate_at(row, seed, root, step, env):
