@@ -68,27 +68,63 @@ def first_half_accuracy(metric_rows: dict[str, list[list[dict]]], row: str) -> f
     return float(np.mean(vals)) if vals else float("nan")
 
 
-def findings(agg: dict, metric_rows: dict) -> list[tuple[str, bool, str]]:
-    """The paper's three findings as (statement, holds here, detail); a missing row does not hold."""
-    singles = [f"q_{q.lower()}" for q in QUADRANTS]
-    if not all(r in agg for r in singles):
-        return [("quadrant findings", False, "not every single-quadrant row finished")]
+def stopped_runs(root: str, rows: Sequence, seeds: Sequence[int], total_steps: int) -> dict[str, list[dict]]:
+    """Per row, the runs that stopped before total_steps: steps done, train accuracy and entropy of
+    their last 10 steps, mean train accuracy over their steps in the first half of the run, and the
+    trainer's last `error:` line."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        for sd in seeds:
+            d = os.path.join(root, r.name, f"seed_{sd}")
+            m = es.read_metrics(d)
+            if not m or es.is_finished(d, total_steps):
+                continue
+            why = None
+            try:
+                with open(os.path.join(d, "train.log")) as f:
+                    errors = [line.strip()[len("error:"):].strip() for line in f if line.startswith("error:")]
+                why = errors[-1] if errors else None
+            except OSError:
+                pass
+            out.setdefault(r.name, []).append({
+                "seed": sd, "steps": len(m), "accuracy_last10": float(np.nanmean(es._col(m[-10:], "accuracy"))),
+                "entropy_last10": float(np.nanmean(es._col(m[-10:], "entropy"))), "reason": why,
+                "first_half_accuracy": float(np.nanmean(es._col(m[:max(1, total_steps // 2)], "accuracy")))})
+    return out
+
+
+def findings(agg: dict, metric_rows: dict, stopped: dict | None = None) -> list[tuple[str, bool, str]]:
+    """The paper's three findings as (statement, holds here, detail), compared among the single-quadrant
+    rows with finished runs; a row whose runs all stopped early (`stopped_runs`) is named in the
+    detail, and finding 3 then uses the train accuracy of the steps its runs did (up to half the run)."""
+    stopped = stopped or {}
+    singles = [f"q_{q.lower()}" for q in QUADRANTS if f"q_{q.lower()}" in agg]
+    missing = [f"q_{q.lower()}" for q in QUADRANTS if f"q_{q.lower()}" not in agg]
+    if len(singles) < 2 or "q_phr" not in singles:
+        return [("quadrant findings", False, f"too few single-quadrant rows finished (missing: {missing})")]
+    note = (f" (no finished run: {', '.join(m[2:].upper() for m in missing)})" if missing else "")
     h = {r: _mean(agg, r, "entropy_last_half_median") for r in singles}
     avg = {r: _mean(agg, r, "avg@n") for r in singles}
     pk = {r: _mean(agg, r, "pass@k") for r in singles}
     gain = {r: _mean(agg, r, "accuracy_end") - _mean(agg, r, "accuracy_start") for r in singles}
-    fmt = lambda d: ", ".join(f"{r[2:].upper()} {v:.3f}" for r, v in d.items())  # noqa: E731
+    fmt = lambda d: ", ".join(f"{r[2:].upper()} {v:.3f}" for r, v in d.items()) + note  # noqa: E731
     out = []
     keeps = max(h, key=h.get) == "q_phr"
     best = max(avg, key=avg.get) == "q_phr" and max(pk, key=pk.get) == "q_phr"
     out.append(("1a. PHR-only keeps entropy best of the single quadrants (last-half median H)", keeps, fmt(h)))
     out.append(("1b. PHR-only generalises best of the single quadrants (avg@n and pass@k)", best,
                 f"avg@n {fmt(avg)}; pass@k {fmt(pk)}"))
-    out.append(("2a. PLR-only collapses entropy most (lowest last-half median H)", min(h, key=h.get) == "q_plr",
-                fmt(h)))
+    out.append(("2a. PLR-only collapses entropy most (lowest last-half median H)",
+                "q_plr" in h and min(h, key=h.get) == "q_plr", fmt(h)))
     out.append(("2b. PLR-only gains least beyond the start (train accuracy, last 10% - first 10%)",
-                min(gain, key=gain.get) == "q_plr", fmt(gain)))
-    nhr, nlr = first_half_accuracy(metric_rows, "q_nhr"), first_half_accuracy(metric_rows, "q_nlr")
+                "q_plr" in gain and min(gain, key=gain.get) == "q_plr", fmt(gain)))
+    def early(r):  # mean over seeds: finished runs' first half, stopped runs' steps within the first half
+        if r in metric_rows:
+            return first_half_accuracy(metric_rows, r)
+        vals = [x["first_half_accuracy"] for x in stopped.get(r, [])]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    nhr, nlr = early("q_nhr"), early("q_nlr")
     out.append(("3. NHR learns faster than NLR (mean train accuracy, first half of the run)",
                 bool(np.isfinite(nhr) and np.isfinite(nlr) and nhr > nlr), f"NHR {nhr:.3f} vs NLR {nlr:.3f}"))
     return out
@@ -106,11 +142,17 @@ def report(root: str, rows: Sequence, seeds: Sequence[int], total_steps: int, ta
              f"Seeds {', '.join(map(str, seeds))}; {total_steps} steps per run; GRPO-ds settings "
              f"(configs/quickstart_grpo.py) with `loss.quadrants` per row.", "",
              es.markdown_table(agg, labels, target_entropy), "", "The paper's findings, here:", ""]
-    lines += [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in findings(agg, metric_rows)]
+    stopped = stopped_runs(root, rows, seeds, total_steps)
+    lines += [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in findings(agg, metric_rows, stopped)]
     pending = [f"{r.name} seed {s}" for r in rows for s in seeds
                if not es.is_finished(os.path.join(root, r.name, f"seed_{s}"), total_steps)]
     if pending:
         lines.append(f"- not finished (left out above): {', '.join(pending)}")
+    for name, runs in stopped.items():
+        for x in runs:
+            lines.append(f"- {name} seed {x['seed']} stopped after {x['steps']} of {total_steps} steps (last 10: train "
+                         f"accuracy {x['accuracy_last10']:.3f}, H {x['entropy_last10']:.3f})"
+                         + (f": {x['reason'][:120]}" if x["reason"] else ""))
     if wall_s is not None:
         lines.append(f"- study wall time (this invocation): {wall_s / 60:.1f} min")
     text = "\n".join(lines) + "\n"

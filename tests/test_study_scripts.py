@@ -190,3 +190,19 @@ def test_real_model_study_equal_steps_table_includes_stopped_runs(tmp_path):
     assert rms.stop_reason(str(root / "grpo_ds" / "seed_1")) == "dynamic sampling kept only 7 of the 8 groups needed"
     assert rms.stop_reason(str(root / "stare" / "seed_0")) is None
     assert rms.checkpoint_steps(str(root / "stare" / "seed_0")) == []
+
+
+def test_quadrant_findings_with_a_row_whose_runs_all_stopped(tmp_path):
+    T, root = 40, tmp_path / "q"
+    runs = {"grpo_ds": (0.2, 0.3, 0.7), "q_phr": (0.6, 0.3, 0.6), "q_plr": (0.05, 0.3, 0.32), "q_nhr": (0.3, 0.3, 0.65)}
+    for row, (h, a0, a1) in runs.items():
+        fake_run(str(root / row / "seed_0"), np.full(T, h), acc0=a0, acc1=a1)
+    # NLR unlearns: accuracy falls to 0 and dynamic sampling stops the run at step 12
+    d = root / "q_nlr" / "seed_0"
+    fake_run(str(d), np.full(12, 0.4), total_steps=T, acc0=0.2, acc1=0.0, finished=False)
+    (d / "train.log").write_text("error: dynamic sampling kept only 8 of the 16 groups needed\n")
+    text = quadrant_study.report(str(root), quadrant_study.ROWS, [0], T, 0.35, 8, "", "", None, "cmd")
+    assert "(no finished run: NLR)" in text
+    assert "- [x] 3. NHR learns faster than NLR" in text and "NLR 0.100" in text
+    assert "- q_nlr seed 0 stopped after 12 of 40 steps (last 10: train accuracy 0.082" in text
+    assert "dynamic sampling kept only 8 of the 16" in text
