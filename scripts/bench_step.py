@@ -19,7 +19,8 @@ The last line printed is one JSON object:
     update_model_tflop, update_mfu, matmul_peak_gflops
         model FLOPs of one update step (forward + backward, 6 N_params tokens + causal attention,
         each group's shared prompt counted once),
-        and their rate over median_update_s as a fraction of the measured float32 matmul peak
+        and their rate over median_update_s as a fraction of the measured matmul peak in the run's
+        dtype (`--dtype`; on a GPU float32 products may run as TF32, XLA's and PyTorch's default)
     participants: {name: the same per-participant medians}
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
     stare_update_overhead, stare_overhead, grpo_median_update_s   (with --grpo)
@@ -31,7 +32,7 @@ The last line printed is one JSON object:
         framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
         for TRL): ratios between frameworks depend on the host as much as on the code
 
-    python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix]
+    python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
                                  [--tunix-devices N]
 
@@ -148,13 +149,18 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="stare-jax on CPU: JAX devices to split the host into (mesh.cpu_devices; 0: one per "
                          "core, dividing the prompt count; 1: a single device)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype of every participant (stare-jax model.dtype, TRL bf16 autocast); "
+                         "parameters and optimizer state stay float32")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
 
-    workload = dict(common.LARGE if args.large else common.DEFAULT)
+    workload = dict(common.LARGE if args.large else common.DEFAULT, dtype=args.dtype)
+    if args.dtype != "float32" and "tunix" in args.peer:
+        ap.error("--dtype bfloat16: the Tunix peer runs float32 only")
     from stare_jax.distributed import cpu_devices_per_core
 
     workload["cpu_devices"] = args.cpu_devices or cpu_devices_per_core(workload["num_prompts"])
@@ -200,7 +206,8 @@ def main() -> None:
     peak = ours["matmul_peak_gflops"]
     result = {k: ours[k] for k in ("median_step_s", "median_rollout_s", "median_update_s", "rollout_tokens_per_s",
                                    "peak_rss_mb")}
-    result.update(shape=shape, workload="large" if args.large else "default", steps=args.steps,
+    result.update(shape=shape, workload="large" if args.large else "default", steps=args.steps, dtype=args.dtype,
+                  device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / ours["median_update_s"] / (peak * 1e9), 3),
                   participants=summaries, host_cpu=common.host_cpu(), cpu_count=os.cpu_count(),

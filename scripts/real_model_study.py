@@ -169,12 +169,13 @@ def plot(metric_rows: dict[str, list[list[dict]]], summaries: dict[str, list[dic
     return out
 
 
-def step_profile(run_dir: str, peak_gflops: float | None = None) -> dict:
+def step_profile(run_dir: str, peak_gflops: float | None = None, model_dir: str | None = None) -> dict:
     """Where one run's step time goes (medians over steps after the first, which compiles): sampling,
     verification, the rest of the rollout phase (dynamic-sampling bookkeeping, host transfers), the
     update, and the host time outside both; plus the update's MFU at the run's shapes (model FLOPs of
     `bench_step.update_model_flops`, padded prompt bucket and max_new_tokens, over the measured float32
-    matmul peak `peak_gflops`)."""
+    matmul peak `peak_gflops`). `model_dir`: the Hugging Face directory of the run's model where
+    config.json's model.path is not one (a GGUF source is converted into RUN_DIR/model)."""
     from bench_step import update_model_flops
     from stare_jax.config import load_config_file
     from stare_jax.models.hf import load_config
@@ -190,7 +191,7 @@ def step_profile(run_dir: str, peak_gflops: float | None = None) -> dict:
     med_prompt = med(col["prompt_len"])
     with open(os.path.join(run_dir, "config.json")) as f:
         flat = json.load(f)
-    model = load_config(flat["model.path"])
+    model = load_config(model_dir or flat["model.path"])
     w = dict(hidden_size=model.hidden_size, intermediate_size=model.intermediate_size, num_layers=model.num_layers,
              num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, vocab_size=model.vocab_size,
              num_prompts=flat["data.prompt_batch_size"], group_size=flat["rollout.group_size"],

@@ -110,7 +110,7 @@ class StepClock:
 
 
 def matmul_peak_gflops(make_product, sizes=(512, 1024, 2048), repeats: int = 5) -> float:
-    """A framework's measured float32 matmul peak on this host: the best GFLOP/s (2 n^3 / time) of an
+    """A framework's measured matmul peak on this host: the best GFLOP/s (2 n^3 / time) of an
     n x n @ n x n product over `sizes`, best of `repeats` each. `make_product(n)` returns a function
     that computes one such product and returns when it is done (its first call, untimed, may compile)."""
     best = 0.0
@@ -124,12 +124,21 @@ def matmul_peak_gflops(make_product, sizes=(512, 1024, 2048), repeats: int = 5) 
     return round(best, 1)
 
 
-def jax_matmul(n: int):
-    """`matmul_peak_gflops`'s product for JAX: a jitted float32 n x n matmul on the default device."""
+def accelerator_sizes() -> tuple[int, ...]:
+    """Matmul sizes for `matmul_peak_gflops`: up to 8192 on a GPU or TPU (smaller products leave a
+    large chip idle), up to 2048 on a CPU."""
+    import jax
+
+    return (2048, 4096, 8192) if jax.default_backend() in ("gpu", "tpu") else (512, 1024, 2048)
+
+
+def jax_matmul(n: int, dtype: str = "float32"):
+    """`matmul_peak_gflops`'s product for JAX: a jitted n x n matmul of random `dtype` operands on the
+    default device, with XLA's default precision for that dtype (on a GPU float32 may use TF32)."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((n, n), jnp.float32)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda x, y: x @ y)
     return lambda: f(a, a).block_until_ready()
 

@@ -27,7 +27,7 @@ import common  # noqa: E402
 
 def bench_config(workload: dict):
     """The stare-jax config of the workload: one generation of prompts x group, no dynamic sampling,
-    no KL, one optimizer step per batch, float32."""
+    no KL, one optimizer step per batch, compute in the workload's dtype (float32 by default)."""
     from stare_jax.config import default_config
 
     w = workload
@@ -45,6 +45,7 @@ def bench_config(workload: dict):
     c.reward.name = "common:reward"
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
+    c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
     c.loss.name = w["loss"]
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
@@ -127,7 +128,9 @@ def main() -> None:
         one_step()  # compiles the sampler and the update step
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
-                     "matmul_peak_gflops": common.matmul_peak_gflops(common.jax_matmul)})
+                     "dtype": config.model.dtype,
+                     "matmul_peak_gflops": common.matmul_peak_gflops(
+                         lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())})
         for _ in common.commands():
             common.send(one_step())
 

@@ -63,8 +63,8 @@ def grpo_config(workload: dict, output_dir: str) -> GRPOConfig:
     batch = w["num_prompts"] * w["group_size"]
     return GRPOConfig(
         output_dir=output_dir,
-        use_cpu=True,
-        bf16=False,                        # TRL defaults to bf16 autocast; the workload is float32
+        use_cpu=not torch.cuda.is_available(),
+        bf16=w.get("dtype", "float32") == "bfloat16",  # TRL's default is bf16 autocast; float32 unless asked
         gradient_checkpointing=False,      # TRL defaults to on
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
@@ -133,11 +133,18 @@ def time_rollout(trainer: GRPOTrainer, workload: dict, clock: common.StepClock) 
     trainer._generate_and_score_completions = timed
 
 
-def torch_matmul(n: int):
-    """`common.matmul_peak_gflops`'s product for PyTorch: a float32 n x n matmul on the CPU (the BLAS
-    that the trainer's linear layers use)."""
-    a = torch.ones(n, n)
-    return lambda: a @ a
+def torch_matmul(n: int, dtype: str = "float32"):
+    """`common.matmul_peak_gflops`'s product for PyTorch: an n x n matmul of random `dtype` operands on
+    the device the trainer uses (the CPU's BLAS, or the GPU with PyTorch's default TF32 setting)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device, getattr(torch, dtype))
+
+    def product():
+        out = a @ a
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+    return product
 
 
 class CommandGate(TrainerCallback):
@@ -161,8 +168,14 @@ class CommandGate(TrainerCallback):
             common.send({"ready": True, "framework": "trl", "torch_threads": torch.get_num_threads(),
                          "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                          "optimizer": args.optim, "warmup_s": time.perf_counter() - self.train_start,
-                         "matmul_peak_gflops": common.matmul_peak_gflops(torch_matmul)})
+                         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                         "dtype": args.bf16 and "bfloat16" or "float32",
+                         "matmul_peak_gflops": common.matmul_peak_gflops(
+                             lambda n: torch_matmul(n, "bfloat16" if args.bf16 else "float32"),
+                             (2048, 4096, 8192) if torch.cuda.is_available() else (512, 1024, 2048))})
         else:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels are done before its time is read
             common.send(self.clock.report())
         cmd = next(self.commands, None)
         if cmd is None:
