@@ -103,7 +103,8 @@ def quickstart(root: str) -> dict:
     with open(os.path.join(workdir, "eval", final)) as f:
         ev = json.load(f)
     return {"wall_s": round(wall, 1), "steps": len(rows), "median_step_s": round(float(sorted(step_s)[len(step_s) // 2]), 4),
-            "final_eval": {k: ev[k] for k in ev if k.startswith(("avg@", "pass@"))}, "eval_file": final}
+            "final_eval": {name: {k: v for k, v in res.items() if k.startswith(("avg@", "pass@"))}
+                           for name, res in ev.get("results", {}).items()}, "eval_file": final}
 
 
 def recipe(root: str, dtype: str, model: str, peaks_file: str | None, steps: int | None) -> dict:
@@ -145,6 +146,10 @@ def recipe(root: str, dtype: str, model: str, peaks_file: str | None, steps: int
     return out
 
 
+_RECIPE_KEYS = ("base_avg@n", "final_avg@n", "base_pass@8", "final_pass@8", "accuracy_start", "accuracy_end", "entropy_initial",
+                "entropy_last_half_median", "response_length_end")
+
+
 def report(files: list[str]) -> str:
     """Markdown tables of the JSON files this script wrote."""
     lines = []
@@ -167,7 +172,8 @@ def report(files: list[str]) -> str:
                       f"{p.get('update_mfu', float('nan')):.3f} of the measured bf16 peak"
                       + (f", {d['update_mfu_vs_published_bf16']:.3f} of the published" if
                          "update_mfu_vs_published_bf16" in d else "")
-                      + f"; held-out {json.dumps(s)}", ""]
+                      + "; held-out " + ", ".join(f"{k} {s[k]:.3f}" for k in _RECIPE_KEYS if isinstance(s.get(k), (int, float))),
+                      ""]
         else:
             lines += [f"**{name}**: {json.dumps(d)}", ""]
     return "\n".join(lines)

@@ -321,7 +321,8 @@ def plot_study(summaries_rows: dict[str, list[list[dict]]], agg: dict[str, dict]
         ax.grid(alpha=0.3)
         if ax is not ax_eval:
             ax.set_xlabel("step")
-        ax.legend(fontsize=7, loc="best")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
     ax_gate.set_ylim(-0.05, 1.05)
     if title:
         fig.suptitle(title)
