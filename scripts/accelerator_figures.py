@@ -46,20 +46,11 @@ PUBLISHED_BF16_PEAK = {
 
 
 def copy_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Device-to-device copy rate of the default device in GB/s, counting bytes read and written
-    (2 x n_bytes per copy): the memory-bandwidth figure of the decode roofline."""
-    import jax
-    import jax.numpy as jnp
+    """Device-to-device copy rate of the default device in GB/s (`common.jax_copy_bandwidth_gbs`):
+    the memory-bandwidth figure of the decode roofline."""
+    import common
 
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return round(2 * n_bytes / best / 1e9, 1)
+    return common.jax_copy_bandwidth_gbs(n_bytes, repeats)
 
 
 def peaks() -> dict:

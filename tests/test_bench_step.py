@@ -38,3 +38,64 @@ def test_bench_stare_overhead_times_both_updates_in_one_process():
     assert out["rounds"] == 1 and out["shape"] == {"hidden_size": 256, "num_layers": 4, "new_tokens": 64}
     assert out["stare_update_s"] > 0 and out["grpo_update_s"] > 0 and out["rollout_s"] > 0
     assert abs(out["step_overhead"]) < 1 and -1 < out["update_overhead"] < 10
+
+
+def _bench_step_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_mod", os.path.join(ROOT, "scripts", "bench_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_roofline_floors_follow_the_workload_shape():
+    """The decode floor counts weights per replica per decode step plus the live KV caches, and the
+    update floor is the model FLOPs at the peak: changing the shape changes them as the formulas say."""
+    bs = _bench_step_module()
+    w = dict(vocab_size=100, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16,
+             num_prompts=1, group_size=2, prompt_len=3, new_tokens=4, tie_word_embeddings=True, dtype="float32")
+    params = 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16) + 100 * 8
+    kv_token = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 KV head of 4 dims, 4 bytes
+    # two responses of 4 tokens: each reads P + t cached tokens at t = 0..3
+    assert bs.decode_bytes(w, 1) == 4 * params * 4 + 2 * (4 * 3 + 6) * kv_token
+    assert bs.decode_bytes(w, 2) - bs.decode_bytes(w, 1) == 4 * params * 4
+    # a response that ends after 1 token stops reading its cache; the longest sets the decode steps
+    assert bs.decode_bytes(w, 1, [1, 4]) == 4 * params * 4 + ((1 * 3) + (4 * 3 + 6)) * kv_token
+    assert bs.update_model_flops(w, [4, 4]) == bs.update_model_flops(w)
+    assert bs.update_model_flops(w, [1, 4]) < bs.update_model_flops(w)
+    r = bs.roofline(w, 2e9, 1.0, 1.0, 1, update_s=4.0, generate_s=1.0)
+    assert r["update_floor_s"] == 2.0 and r["update_vs_floor"] == 2.0
+    assert r["decode_floor_s"] == round(bs.decode_bytes(w, 1) / 1e9, 4)
+
+
+def test_bench_step_real_model_workload_on_a_tiny_gguf(tmp_path):
+    """--model FILE.gguf: converted once, the model's own tokenizer and chat template, EOS on, lengths
+    reported per response; FLOPs and roofline from the lengths actually generated."""
+    from tests.gguf_fixtures import write_gguf
+
+    pytest = __import__("pytest")
+    pytest.importorskip("gguf")
+    src = str(tmp_path / "tiny.gguf")
+    write_gguf(src)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--model", src,
+                        "--new-tokens", "6", "--steps", "1", "--model-cache", str(tmp_path / "cache"), "--slots", "8"],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["workload"] == "real" and out["slots"] == 8 and out["max_new_tokens"] == 6
+    assert os.path.isfile(os.path.join(str(tmp_path / "cache"), "tiny", "config.json"))
+    ours = out["participants"]["stare-jax"]
+    assert 0 < ours["median_tokens"] <= 64 * 6 and ours["slots"] == 8
+    assert 0 < out["response_length_mean"]["stare-jax"] <= 6
+    assert out["roofline"]["update_floor_s"] > 0 and out["roofline"]["decode_floor_s"] > 0
+    assert out["roofline"]["memory_bandwidth_gbs"] > 0 and out["roofline"]["replicas"] == ours["devices"]
+    ratio = ours["median_update_s"] / out["roofline"]["update_floor_s"]  # both rounded in the JSON
+    assert abs(out["roofline"]["update_vs_floor"] - ratio) <= 0.05 * ratio
+
+
+def test_bench_step_refuses_a_missing_model(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--model",
+                        str(tmp_path / "nope.gguf"), "--steps", "1"],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no such file" in r.stderr

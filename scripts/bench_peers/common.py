@@ -37,6 +37,21 @@ DEFAULT = dict(vocab_size=VOCAB_SIZE, hidden_size=256, num_layers=4, num_heads=4
                new_tokens=64, learning_rate=1e-6, temperature=1.0, seed=0, loss="stare")
 LARGE = dict(DEFAULT, hidden_size=512, num_layers=8, new_tokens=128)
 
+# The real-model workload (`bench_step.py --model smollm2|PATH`): a pretrained model's Hugging Face
+# directory (`checkpoint`), its own tokenizer, EOS enabled, temperature 1, up to `new_tokens` new
+# tokens, so response lengths vary as they do in real RLVR. The driver adds the model's shape,
+# `prompt_texts` (the chat-templated prompts, tokenized without adding special tokens), their
+# `ground_truths` and the model's `eos_token_ids`; every participant tokenizes the same texts with
+# the directory's tokenizer, left-padded to the longest, and scores with `real_reward`.
+REAL = dict(num_prompts=8, group_size=8, new_tokens=256, learning_rate=1e-6, temperature=1.0, seed=0,
+            loss="stare")
+REAL_INSTRUCTION = "Think step by step, then give the final answer as a number on the last line."
+
+
+def is_real(workload: dict) -> bool:
+    """True for the real-model workload (prompts given as text, EOS enabled, lengths vary)."""
+    return "prompt_texts" in workload
+
 
 def word(i: int) -> str:
     """The text of token id `i` (ids >= 4)."""
@@ -81,12 +96,36 @@ def reward(response: str, ground_truth: str) -> float:
     return hits / len(words)
 
 
+def final_number(text: str) -> str | None:
+    """The last number in `text` (commas between digits dropped), or None."""
+    import re
+
+    found = re.findall(r"-?\d+(?:\.\d+)?", re.sub(r"(?<=\d),(?=\d{3})", "", text))
+    return found[-1] if found else None
+
+
+def real_reward(response: str, ground_truth: str) -> float:
+    """The real-model workload's reward: 1.0 when the response's last number equals the ground
+    truth, else 0.0 (a cheap stand-in for the math verifier that every peer can import)."""
+    got = final_number(response)
+    try:
+        return float(got is not None and float(got) == float(ground_truth))
+    except ValueError:
+        return 0.0
+
+
+def score(workload: dict, response: str, ground_truth: str) -> float:
+    """The workload's reward of one response: `real_reward` on the real-model workload, else `reward`."""
+    return (real_reward if is_real(workload) else reward)(response, ground_truth)
+
+
 class StepClock:
     """Timings of the step in progress, for the peers whose trainers run the step themselves:
     `begin()` when the step starts, `rollout_s` / `tokens` added by the rollout hook, `score`
     for the reward, `report()` when the optimizer step has finished."""
 
-    def __init__(self):
+    def __init__(self, reward_fn=None):
+        self.reward_fn = reward_fn or reward  # `real_reward` on the real-model workload
         self.begin()
 
     def begin(self) -> None:
@@ -98,7 +137,7 @@ class StepClock:
     def score(self, completions, ground_truths) -> list[float]:
         """`reward` of each completion against its ground truth, timed into `reward_s`."""
         t0 = time.perf_counter()
-        rewards = [reward(c, str(g)) for c, g in zip(completions, ground_truths, strict=True)]
+        rewards = [self.reward_fn(c, str(g)) for c, g in zip(completions, ground_truths, strict=True)]
         self.reward_s += time.perf_counter() - t0
         return rewards
 
@@ -141,6 +180,26 @@ def jax_matmul(n: int, dtype: str = "float32"):
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda x, y: x @ y)
     return lambda: f(a, a).block_until_ready()
+
+
+def jax_copy_bandwidth_gbs(n_bytes: int | None = None, repeats: int = 5) -> float:
+    """Memory bandwidth of JAX's default device in GB/s: the best rate of a jitted `a + 1` over an
+    array of `n_bytes` (1 GiB on an accelerator, 256 MiB on a CPU), counting the bytes read and
+    written (2 x n_bytes). The bandwidth of the decode roofline."""
+    import jax
+    import jax.numpy as jnp
+
+    if n_bytes is None:
+        n_bytes = (1 << 30) if jax.default_backend() in ("gpu", "tpu") else (1 << 28)
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * n_bytes / best / 1e9, 1)
 
 
 def host_cpu() -> str:

@@ -11,6 +11,11 @@ With `paired_grpo` in the workload the worker also keeps a second train state wi
 loss and times its update on the same batch right after (every other step: right before) the
 STARE update, reporting it as `grpo_update_s`: STARE's overhead without the noise between
 processes. See common.py for the protocol.
+
+The real-model workload (common.is_real) loads the pretrained directory with its own tokenizer,
+left-pads the chat-templated prompts, stops each response at the model's EOS ids, scores with
+`common.real_reward` and reports each response's length (`response_lens`) with the step, for the
+driver's FLOPs and roofline; `slots` > 0 runs the slot-refilling sampler (rollout.slots).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ def bench_config(workload: dict):
     c = default_config()
     c.seed = w["seed"]
     c.model.path = w["checkpoint"]
-    c.model.scan_layers = False  # unrolled layers: faster at this depth on CPU (model.scan_layers)
+    real = common.is_real(w)
+    c.model.scan_layers = real  # unrolled layers: faster at the synthetic depths on CPU; scanned at 30 layers
     c.mesh.cpu_devices = w.get("cpu_devices", 0)  # on CPU: one JAX device per core, rows split over them
     c.data.prompt_batch_size = w["num_prompts"]
     c.data.max_prompt_len = w["prompt_len"]
@@ -42,7 +48,8 @@ def bench_config(workload: dict):
     c.rollout.max_new_tokens = w["new_tokens"]
     c.rollout.temperature = w["temperature"]
     c.dynamic_sampling.enabled = False
-    c.reward.name = "common:reward"
+    c.reward.name = "common:real_reward" if real else "common:reward"
+    c.rollout.slots = w.get("slots", 0)
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
@@ -66,11 +73,26 @@ def main() -> None:
     config = bench_config(workload)
     distributed.initialize(config)  # applies mesh.cpu_devices before the first JAX operation
     mesh = parallel.mesh_from_config(config.mesh)
-    policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
+    real = common.is_real(workload)
+    policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh,
                              scan_layers=config.model.scan_layers)
-    tokenizer = common.build_tokenizer()
-    ids, _, truths = common.prompts(workload)
-    prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}
+    if real:
+        tokenizer = policy.tokenizer
+        eos_ids = tuple(workload["eos_token_ids"])
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in workload["prompt_texts"]]
+        width = workload["prompt_len"]
+        ids = np.full((len(rows), width), pad_id, np.int32)
+        mask = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):  # left padding
+            ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+        truths = workload["ground_truths"]
+    else:
+        tokenizer = common.build_tokenizer()
+        eos_ids, pad_id = (), common.PAD_ID
+        ids, _, truths = common.prompts(workload)
+        mask = np.ones_like(ids)
+    prompts = {"prompt_ids": ids, "prompt_mask": mask, "ground_truth": np.asarray(truths)}
 
     def batches():
         while True:
@@ -102,7 +124,7 @@ def main() -> None:
         key = jax.random.fold_in(base_key, step)
         t0 = time.perf_counter()
         batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
-                                       jax.random.fold_in(key, 0), eos_ids=(), pad_id=common.PAD_ID, mesh=mesh)
+                                       jax.random.fold_in(key, 0), eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
         t1 = time.perf_counter()
         sharded = parallel.shard_batch(batch, mesh)
         grpo_first = paired is not None and step % 2 == 1  # alternate which update runs first
@@ -112,13 +134,19 @@ def main() -> None:
         if paired is not None and not grpo_first:
             paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1))
         step += 1
-        tokens = int(batch["response_mask"].sum())
-        expected = workload["num_prompts"] * workload["group_size"] * workload["new_tokens"]
-        if tokens != expected:
-            raise RuntimeError(f"generated {tokens} tokens, expected {expected}")
+        lens = batch["response_mask"].sum(axis=1).astype(int)
+        tokens = int(lens.sum())
+        n = workload["num_prompts"] * workload["group_size"]
+        expected = n * workload["new_tokens"]
+        if (tokens > expected or len(lens) != n or lens.min() < 1) if real else tokens != expected:
+            raise RuntimeError(f"generated {tokens} tokens in {len(lens)} responses, expected "
+                               f"{'at most ' if real else ''}{expected} in {n}")
         result = {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": update_s,
                   "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
                   "peak_rss_mb": common.peak_rss_mb()}
+        if real:
+            result["response_lens"] = lens.tolist()
+            result["reward_mean"] = float(np.mean(batch["rewards"])) if "rewards" in batch else None
         if paired is not None:
             result["grpo_update_s"] = grpo_s
         return result
@@ -128,7 +156,9 @@ def main() -> None:
         one_step()  # compiles the sampler and the update step
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
-                     "dtype": config.model.dtype,
+                     "dtype": config.model.dtype, "slots": config.rollout.slots,
+                     "replicas": int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)),
+                     "memory_bandwidth_gbs": common.jax_copy_bandwidth_gbs(),
                      "matmul_peak_gflops": common.matmul_peak_gflops(
                          lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())})
         for _ in common.commands():

@@ -23,6 +23,11 @@ How the workload maps onto TRL (trl 1.16, transformers generation, PyTorch on CP
 - optimizer: transformers' default AdamW (`adamw_torch_fused` on torch >= 2.8) at a constant
   `learning_rate`, with our optimizer's weight decay 0.01 and gradient clip 1.0.
 
+The real-model workload (common.is_real): the pretrained directory's model and its own tokenizer,
+the chat-templated prompt texts, no `min_new_tokens` (EOS ends each response where the model puts
+it, up to `new_tokens`), `common.real_reward`; the rollout check then asks for 1..new_tokens
+completion tokens per row and reports each row's length.
+
 Timing: `trainer.train()` runs with an effectively unbounded `max_steps`; a callback blocks in
 `on_step_end` (after the optimizer step) until the next command arrives. The first step is an untimed
 warm-up, after which the worker prints ready. `rollout_s` is the time in TRL's
@@ -73,7 +78,7 @@ def grpo_config(workload: dict, output_dir: str) -> GRPOConfig:
         num_iterations=1,
         shuffle_dataset=False,             # every step sees exactly the workload's prompts
         max_completion_length=w["new_tokens"],
-        generation_kwargs={"min_new_tokens": w["new_tokens"]},
+        generation_kwargs=None if common.is_real(w) else {"min_new_tokens": w["new_tokens"]},
         temperature=w["temperature"],
         top_p=1.0,
         top_k=0,
@@ -95,6 +100,9 @@ def grpo_config(workload: dict, output_dir: str) -> GRPOConfig:
 def train_dataset(workload: dict, tokenizer) -> datasets.Dataset:
     """The workload's prompts (plain text) with their ground truths, repeated DATASET_REPEATS times;
     checks that the tokenizer turns each text back into exactly its prompt_len ids."""
+    if common.is_real(workload):
+        texts, truths = workload["prompt_texts"], workload["ground_truths"]
+        return datasets.Dataset.from_dict({"prompt": texts * DATASET_REPEATS, "ground_truth": truths * DATASET_REPEATS})
     ids, texts, truths = common.prompts(workload)
     if tokenizer(texts)["input_ids"] != ids.tolist():
         raise RuntimeError("the bench tokenizer does not map the prompt texts back to their ids")
@@ -120,6 +128,15 @@ def time_rollout(trainer: GRPOTrainer, workload: dict, clock: common.StepClock) 
         out = generate_and_score(inputs)
         clock.rollout_s += time.perf_counter() - start
         prompt_mask, completion_mask = out["prompt_mask"], out["completion_mask"]
+        if common.is_real(w):
+            lens = completion_mask.sum(dim=1)
+            if (completion_mask.shape[0] != batch or completion_mask.shape[1] > w["new_tokens"] or int(lens.min()) < 1
+                    or len(torch.unique(out["prompt_ids"], dim=0)) != w["num_prompts"]):
+                raise RuntimeError(f"rollout batch is not {w['num_prompts']} prompts x {w['group_size']} responses of "
+                                   f"1..{w['new_tokens']} tokens: completion mask {tuple(completion_mask.shape)}, "
+                                   f"lengths {lens.tolist()}")
+            clock.tokens += int(lens.sum())
+            return out
         if (tuple(prompt_mask.shape) != (batch, w["prompt_len"]) or not bool(prompt_mask.all())
                 or tuple(completion_mask.shape) != (batch, w["new_tokens"]) or not bool(completion_mask.all())
                 or len(torch.unique(out["prompt_ids"], dim=0)) != w["num_prompts"]):
@@ -193,8 +210,14 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    tokenizer = common.build_tokenizer()
-    clock = common.StepClock()
+    real = common.is_real(workload)
+    if real:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(workload["checkpoint"], padding_side="left")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    else:
+        tokenizer = common.build_tokenizer()
+    clock = common.StepClock(reward_fn=common.real_reward if real else common.reward)
     with tempfile.TemporaryDirectory(prefix="trl_peer_") as output_dir:
         model = AutoModelForCausalLM.from_pretrained(workload["checkpoint"], dtype=torch.float32)
         trainer = GRPOTrainer(model=model, reward_funcs=reward_func(clock), args=grpo_config(workload, output_dir),
