@@ -41,6 +41,7 @@ def bench_config(workload: dict):
     c.model.path = w["checkpoint"]
     real = common.is_real(w)
     c.model.scan_layers = real  # unrolled layers: faster at the synthetic depths on CPU; scanned at 30 layers
+    c.model.remat = real  # 64 x ~340 tokens x 30 layers of activations need rematerialisation (as TRL's checkpointing)
     c.mesh.cpu_devices = w.get("cpu_devices", 0)  # on CPU: one JAX device per core, rows split over them
     c.data.prompt_batch_size = w["num_prompts"]
     c.data.max_prompt_len = w["prompt_len"]
@@ -75,7 +76,7 @@ def main() -> None:
     mesh = parallel.mesh_from_config(config.mesh)
     real = common.is_real(workload)
     policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh,
-                             scan_layers=config.model.scan_layers)
+                             scan_layers=config.model.scan_layers, remat=config.model.remat)
     if real:
         tokenizer = policy.tokenizer
         eos_ids = tuple(workload["eos_token_ids"])

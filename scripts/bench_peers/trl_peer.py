@@ -70,7 +70,7 @@ def grpo_config(workload: dict, output_dir: str) -> GRPOConfig:
         output_dir=output_dir,
         use_cpu=not torch.cuda.is_available(),
         bf16=w.get("dtype", "float32") == "bfloat16",  # TRL's default is bf16 autocast; float32 unless asked
-        gradient_checkpointing=False,      # TRL defaults to on
+        gradient_checkpointing=common.is_real(w),  # TRL defaults to on; on for the real model, as stare-jax's remat
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
         steps_per_generation=1,

@@ -23,6 +23,39 @@ Protocol, workload, tokenizer, prompts and reward come from `common.py`. How the
   their ground truths in the "answer" column, which tunix passes to the reward fn as a keyword.
 - no checkpointing, no metrics logging backends, no eval.
 
+The real-model workload (`common.is_real`: a pretrained Llama checkpoint such as SmolLM2-135M-Instruct,
+its own tokenizer, EOS enabled, up to new_tokens per response, `common.real_reward`) maps as follows;
+mesh, algorithm, optimizer, batch sizes and timing are the synthetic path's:
+
+- model: `tunix.models.llama3.model.Llama3` with a `ModelConfig` read from the checkpoint's
+  config.json (num_hidden_layers, vocab_size, hidden_size, intermediate_size, attention / KV heads,
+  head_dim, rope_theta, rms_norm_eps, tie_word_embeddings -> weight_tying), float32 as stored, loaded
+  with `tunix.models.llama3.params.create_model_from_safe_tensors`. Checkpoints this class cannot
+  express (not LlamaForCausalLM, rope scaling, attention / MLP biases, an activation other than silu)
+  end the worker with one line on stderr naming the missing feature. tunix 0.1.7's llama3
+  `Attention.block` calls `apply_rope` without `rope_theta`, so every llama3 model runs at the
+  function's default theta 1e6 whatever its config says; the worker binds the module's `apply_rope`
+  to the checkpoint's theta (SmolLM2: 1e5) so that tunix runs the checkpoint's model (same cost).
+- tokenizer: `transformers.AutoTokenizer.from_pretrained(checkpoint)` behind `PromptTokenizer`, the
+  encode / decode / bos_id / eos_id / pad_id object tunix's `TokenizerAdapter` accepts: encode adds
+  no special tokens (the chat template has them) and bos_id is None, so the sampler prepends nothing;
+  decode skips special tokens (as TRL's). Tunix takes its attention masks from `ids != pad_id`, in the
+  prompt as in the completion, so the pad id must not occur inside a prompt: it is the tokenizer's
+  pad id, else the first EOS id, else the first other special token absent from all prompts
+  (SmolLM2: pad = EOS = <|im_end|>, which ends every chat turn inside the prompts, so tunix pads
+  with <|endoftext|>, id 0). The padded prompts differ from the workload's contract only in that
+  value; a response sampling the pad id mid-sequence (rare) has that token masked, as in any tunix run.
+- rollout: `max_prompt_length=prompt_len` (the longest prompt, so no power-of-two padding),
+  `max_tokens_to_generate=new_tokens`, `kv_cache_size=prompt_len + new_tokens`,
+  `eos_tokens=eos_token_ids`: a response ends at its first EOS (the sampler's loop ends once every
+  row has one), and tunix's completion is the tokens before the EOS, which it neither returns nor
+  trains on. So `tokens` counts those completion tokens (EOS excluded); the step report adds
+  `response_lens` (each response's completion length) and `eos_stops` (responses ended by an EOS:
+  `tokens + eos_stops` are the tokens the sampler produced). Checked on every rollout: num_prompts x
+  group_size rows, each prompt's ids as the workload's (left-padded to prompt_len), every completion
+  0..new_tokens tokens (0: EOS first).
+- data: the workload's chat-templated `prompt_texts`, `ground_truths` in the "answer" column.
+
 Timing. `learner.train` runs once over a generator that blocks on the next stdin command before
 yielding each batch; tunix asks for the next batch only after the previous step's update (and its
 bookkeeping) has finished, so a step is timed from one yield to the next request, after waiting
@@ -33,6 +66,8 @@ time, `update_s` the rest. Two untimed warm-up steps compile everything before "
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import sys
 import time
@@ -47,6 +82,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from tunix.models.llama3 import model as llama3_model  # noqa: E402
+from tunix.models.llama3 import params as llama3_params  # noqa: E402
 from tunix.models.qwen2 import model as qwen2_model  # noqa: E402
 from tunix.models.qwen2 import params as qwen2_params  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
@@ -55,32 +92,54 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 
 WARMUP_STEPS = 2
 
+_APPLY_ROPE = llama3_model.apply_rope  # tunix's own, before `use_rope_theta` binds a theta to it
 
-def finish_step(clock: common.StepClock, model: nnx.Module) -> dict:
-    """Waits for the model's parameters (the step's update), then the clock's report of the step."""
+
+class UnsupportedModel(Exception):
+    """The checkpoint needs something tunix's model or loader does not have (the message says what)."""
+
+
+def finish_step(clock: common.StepClock, model: nnx.Module, cluster: "CountingCluster") -> dict:
+    """Waits for the model's parameters (the step's update), then the clock's report of the step
+    (on the real-model workload with each response's length and the number of EOS stops)."""
     jax.block_until_ready(nnx.state(model, nnx.Param))
-    return clock.report()
+    report = clock.report()
+    if cluster.real:
+        report.update(response_lens=list(cluster.lengths),
+                      eos_stops=sum(n < cluster.new_tokens for n in cluster.lengths))
+    return report
 
 
 class CountingCluster(rl_cluster_lib.RLCluster):
-    """RLCluster that records each response's length and checks that the sampler saw the workload's
-    prompt ids unpadded and generated exactly `new_tokens` tokens per response."""
+    """RLCluster that records each response's length and checks each rollout: the sampler saw the
+    workload's prompt ids (`prompt_ids`, left-padded) and generated exactly `new_tokens` tokens per
+    response, or with `real` (EOS enabled) 0..new_tokens tokens in num_prompts x group_size rows."""
 
-    def __init__(self, *, clock: common.StepClock, prompt_ids: np.ndarray, new_tokens: int, **kwargs):
+    def __init__(self, *, clock: common.StepClock, prompt_ids: np.ndarray, new_tokens: int, real: bool = False,
+                 rows: int = 0, **kwargs):
         super().__init__(**kwargs)
         self._clock = clock
         self._prompt_ids = prompt_ids
-        self._new_tokens = new_tokens
+        self.new_tokens = new_tokens
+        self.real = real
+        self._rows = rows
+        self.lengths: list[int] = []  # this step's response lengths (cleared when a step begins)
 
     def generate(self, *args, **kwargs) -> base_rollout.RolloutOutput:
+        """tunix's generate, then the checks; adds the completion tokens to the clock."""
         out = super().generate(*args, **kwargs)
         lengths = [len(t) for t in out.tokens]
-        if any(n != self._new_tokens for n in lengths):
-            raise RuntimeError(f"responses must have {self._new_tokens} tokens, got lengths {sorted(set(lengths))}")
+        if self.real:
+            if len(lengths) != self._rows or max(lengths) > self.new_tokens:
+                raise RuntimeError(f"rollout must be {self._rows} responses of 0..{self.new_tokens} tokens, got "
+                                   f"{len(lengths)} of lengths {lengths}")
+        elif any(n != self.new_tokens for n in lengths):
+            raise RuntimeError(f"responses must have {self.new_tokens} tokens, got lengths {sorted(set(lengths))}")
         expected = np.repeat(self._prompt_ids, len(lengths) // len(self._prompt_ids), axis=0)
         if not np.array_equal(out.left_padded_prompt_tokens, expected):
             raise RuntimeError("the sampler's prompt tokens differ from the workload's prompt ids")
         self._clock.tokens += sum(lengths)
+        self.lengths += lengths
         return out
 
 
@@ -98,8 +157,96 @@ class TimedGRPOLearner(grpo_learner.GRPOLearner):
         return example
 
 
+class PromptTokenizer:
+    """The checkpoint's Hugging Face tokenizer as the encode / decode / bos_id / eos_id / pad_id object
+    tunix's `TokenizerAdapter` accepts: no special tokens added and no BOS (the chat-templated texts
+    carry theirs), `eos_ids[0]` as tunix's eos id, `pad_id` as its pad id."""
+
+    def __init__(self, tokenizer, eos_ids: list[int], pad_id: int):
+        self._tokenizer = tokenizer
+        self._eos_ids = list(eos_ids)
+        self._pad_id = pad_id
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        """The text's ids, without added special tokens."""
+        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids, **kwargs) -> str:
+        """The ids' text, special tokens skipped."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def bos_id(self) -> None:
+        """None: tunix's sampler then prepends no BOS."""
+        return None
+
+    def eos_id(self) -> int:
+        """The workload's first EOS id (the rollout stops at all of them)."""
+        return self._eos_ids[0]
+
+    def pad_id(self) -> int:
+        """The pad id tunix pads and masks with (absent from every prompt)."""
+        return self._pad_id
+
+
+def pick_pad_id(tokenizer, eos_ids: list[int], rows: list[list[int]]) -> int:
+    """The tokenizer's pad id, else the first EOS id, else the first other special token id, taking
+    the first of them that occurs in no prompt row (tunix masks every position holding the pad id)."""
+    used = {i for row in rows for i in row}
+    candidates = [tokenizer.pad_token_id, *eos_ids, *tokenizer.all_special_ids]
+    for c in candidates:
+        if c is not None and int(c) not in used:
+            return int(c)
+    raise UnsupportedModel(f"tunix.generate.Sampler masks prompt positions by `ids != pad_id`, and every candidate "
+                           f"pad id {candidates} occurs inside the prompts")
+
+
+def real_prompts(workload: dict, tokenizer, pad_id: int) -> np.ndarray:
+    """The workload's prompt texts as ids without added special tokens, left-padded with `pad_id` to
+    prompt_len, int32 [num_prompts, prompt_len]."""
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in workload["prompt_texts"]]
+    width = workload["prompt_len"]
+    if max(len(r) for r in rows) != width:
+        raise RuntimeError(f"the longest prompt has {max(len(r) for r in rows)} tokens, the workload's prompt_len "
+                           f"is {width}")
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+    return ids
+
+
+def use_rope_theta(theta: float) -> None:
+    """Makes tunix's llama3 attention apply RoPE with `theta` (0.1.7 drops ModelConfig.rope_theta)."""
+    llama3_model.apply_rope = functools.partial(_APPLY_ROPE, rope_theta=theta)
+
+
+def llama_config(checkpoint: str) -> llama3_model.ModelConfig:
+    """Tunix's llama3 `ModelConfig` from the checkpoint's config.json; raises UnsupportedModel for
+    what `tunix.models.llama3.model.Llama3` cannot express."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        c = json.load(f)
+    where = "tunix.models.llama3.model.Llama3 (google-tunix 0.1.7)"
+    archs = c.get("architectures") or [c.get("model_type")]
+    if archs[0] != "LlamaForCausalLM":
+        raise UnsupportedModel(f"{where} is the llama3 architecture only; the checkpoint is {archs[0]}")
+    if c.get("rope_scaling") or (c.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+        raise UnsupportedModel(f"{where} has no RoPE scaling; the checkpoint asks for "
+                               f"{c.get('rope_scaling') or c.get('rope_parameters')}")
+    if c.get("attention_bias") or c.get("mlp_bias"):
+        raise UnsupportedModel(f"{where} has no attention / MLP biases; the checkpoint has them")
+    if c.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"{where} has only a SiLU MLP; the checkpoint's activation is {c['hidden_act']}")
+    theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta"))
+    return llama3_model.ModelConfig(
+        num_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"], embed_dim=c["hidden_size"],
+        hidden_dim=c["intermediate_size"], num_heads=c["num_attention_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]), rope_theta=theta,
+        norm_eps=c["rms_norm_eps"], weight_tying=bool(c.get("tie_word_embeddings", False)))
+
+
 def make_reward_fn(clock: common.StepClock):
-    """A tunix reward fn scoring completions with `common.reward` against the "answer" column."""
+    """A tunix reward fn scoring completions with the clock's reward (`common.reward` or
+    `common.real_reward`) against the "answer" column."""
 
     def reward_fn(prompts, completions, answer, **kwargs):
         return clock.score(completions, answer)
@@ -118,21 +265,44 @@ def load_model(workload: dict, mesh: jax.sharding.Mesh) -> qwen2_model.Qwen2:
     return qwen2_params.create_model_from_safe_tensors(w["checkpoint"], config, mesh, dtype=jnp.float32)
 
 
+def load_llama(workload: dict, mesh: jax.sharding.Mesh) -> llama3_model.Llama3:
+    """Tunix's Llama3 configured from the checkpoint's config.json, float32 weights from its safetensors."""
+    config = llama_config(workload["checkpoint"])
+    use_rope_theta(config.rope_theta)
+    return llama3_params.create_model_from_safe_tensors(workload["checkpoint"], config, mesh, dtype=jnp.float32)
+
+
 def build_learner(workload: dict, clock: common.StepClock) -> TimedGRPOLearner:
     """The RL cluster (actor = rollout model on one 1x1 mesh) and the GRPO learner."""
     w = workload
+    real = common.is_real(w)
     n = int(w.get("tunix_devices", 1))
     mesh = jax.make_mesh((n, 1), ("fsdp", "tp"), devices=jax.devices()[:n],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    tokenizer = common.build_tokenizer()
+    if real:
+        from transformers import AutoTokenizer
+
+        actor = load_llama(w, mesh)  # first: raises UnsupportedModel before anything else is loaded
+        hf_tokenizer = AutoTokenizer.from_pretrained(w["checkpoint"])
+        eos_ids = [int(i) for i in w["eos_token_ids"]]
+        pad_id = pick_pad_id(hf_tokenizer, eos_ids,
+                             [hf_tokenizer(t, add_special_tokens=False)["input_ids"] for t in w["prompt_texts"]])
+        tokenizer = PromptTokenizer(hf_tokenizer, eos_ids, pad_id)
+        prompt_ids = real_prompts(w, hf_tokenizer, pad_id)
+    else:
+        tokenizer = common.build_tokenizer()
+        eos_ids = [w["vocab_size"]]
+        prompt_ids = common.prompts(w)[0]
+        actor = load_model(w, mesh)
     rollout_config = base_rollout.RolloutConfig(
         max_tokens_to_generate=w["new_tokens"], max_prompt_length=w["prompt_len"],
         kv_cache_size=w["prompt_len"] + w["new_tokens"], temperature=w["temperature"], top_p=1.0, top_k=None,
-        seed=w["seed"], eos_tokens=[w["vocab_size"]])
+        seed=w["seed"], eos_tokens=eos_ids)
     training_config = rl_cluster_lib.RLTrainingConfig(
         actor_optimizer=optax.adamw(w["learning_rate"]), eval_every_n_steps=1 << 30, max_steps=1 << 30)
     cluster = CountingCluster(
-        clock=clock, prompt_ids=common.prompts(w)[0], new_tokens=w["new_tokens"], actor=load_model(w, mesh), tokenizer=tokenizer,
+        clock=clock, prompt_ids=prompt_ids, new_tokens=w["new_tokens"], real=real,
+        rows=w["num_prompts"] * w["group_size"], actor=actor, tokenizer=tokenizer,
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.ROLLOUT: mesh},
             rollout_engine="vanilla", offload_to_cpu=False, training_config=training_config,
@@ -145,32 +315,49 @@ def build_learner(workload: dict, clock: common.StepClock) -> TimedGRPOLearner:
 def batches(workload: dict, learner: TimedGRPOLearner, clock: common.StepClock):
     """Yields the prompt batch for the warm-up steps, then once per "step" command, reporting each
     timed step when tunix asks for the next batch (or when the commands end)."""
-    _, texts, truths = common.prompts(workload)
+    real = common.is_real(workload)
+    if real:
+        texts, truths = workload["prompt_texts"], workload["ground_truths"]
+    else:
+        _, texts, truths = common.prompts(workload)
 
     def batch() -> dict:
         return {"prompts": np.array(texts), "answer": np.array(truths)}
 
-    model = learner.rl_cluster.actor_trainer.model
+    cluster = learner.rl_cluster
+    model = cluster.actor_trainer.model
     for _ in range(WARMUP_STEPS):
         clock.begin()
+        cluster.lengths.clear()
         yield batch()
-    finish_step(clock, model)
-    common.send({"ready": True, "framework": "tunix", "weights": "checkpoint", "warmup_steps": WARMUP_STEPS,
-                 "weight_sync": learner.should_sync_weights, "async_rollout": learner.can_enable_async_rollout,
-                 "matmul_peak_gflops": common.matmul_peak_gflops(common.jax_matmul)})
+    finish_step(clock, model, cluster)
+    ready = {"ready": True, "framework": "tunix", "weights": "checkpoint", "warmup_steps": WARMUP_STEPS,
+             "weight_sync": learner.should_sync_weights, "async_rollout": learner.can_enable_async_rollout,
+             "matmul_peak_gflops": common.matmul_peak_gflops(common.jax_matmul)}
+    if real:
+        tok = cluster.rollout.pad_id(), cluster.rollout.eos_id()
+        ready.update(model="tunix.models.llama3", pad_id=tok[0], eos_id=tok[1],
+                     rope_theta=float(model.config.rope_theta))
+    common.send(ready)
     for _ in common.commands():
         clock.begin()
+        cluster.lengths.clear()
         yield batch()
-        common.send(finish_step(clock, model))
+        common.send(finish_step(clock, model, cluster))
 
 
 def main() -> None:
+    """Builds the learner from the workload in argv and serves the driver's commands."""
     workload = common.workload_from_argv()
     if int(workload.get("tunix_devices", 1)) > 1:  # before JAX's backend starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={int(workload['tunix_devices'])}")
-    clock = common.StepClock()
-    learner = build_learner(workload, clock)
+    clock = common.StepClock(reward_fn=common.real_reward if common.is_real(workload) else common.reward)
+    try:
+        learner = build_learner(workload, clock)
+    except UnsupportedModel as e:
+        print(f"tunix_peer: cannot run the checkpoint: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     learner.train(batches(workload, learner, clock))
 
 
