@@ -276,6 +276,8 @@ def plot_study(summaries_rows: dict[str, list[list[dict]]], agg: dict[str, dict]
     fig, axes = plt.subplots(2, 3, figsize=(18, 10))
     ax_h, ax_acc, ax_eval, ax_len, ax_gate, ax_w = axes.ravel()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if len(summaries_rows) > len(colors):  # distinct colours beyond the default ten
+        colors = [plt.get_cmap("tab20")(i) for i in range(20)]
     ax_h.axhspan(0.7 * target_entropy, 1.3 * target_entropy, color="tab:green", alpha=0.12,
                  label=f"target band [0.7, 1.3] × H_tgt ({target_entropy:g})")
     ax_h.axhline(target_entropy, color="tab:green", lw=0.8, ls="--")
