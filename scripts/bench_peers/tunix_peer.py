@@ -11,7 +11,8 @@ Protocol, workload, tokenizer, prompts and reward come from `common.py`. How the
   sampler reads the trainer's weights in place (no weight sync, no rollout/train overlap).
 - rollout: the default "vanilla" engine (`tunix.generate.Sampler`), `RolloutConfig` with
   `max_tokens_to_generate=new_tokens`, `max_prompt_length=prompt_len`, `kv_cache_size=prompt_len +
-  new_tokens`, temperature from the workload, top_p 1, top_k None, seed = workload seed. EOS never
+  new_tokens`, temperature from the workload, top_p 1, top_k None, seed = workload seed + the index of the generation (a new sampling key every step, as the
+  other participants draw; the seed is an argument of the compiled sampler, so nothing recompiles). EOS never
   stops generation: `eos_tokens=[vocab_size]` is an id the model cannot sample (every response is
   checked to have exactly new_tokens tokens). The bench tokenizer has no BOS (as Qwen2's); tunix's
   sampler would otherwise prepend one and pad the prompts to the next power of two.
@@ -66,6 +67,7 @@ time, `update_s` the rest. Two untimed warm-up steps compile everything before "
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -124,10 +126,22 @@ class CountingCluster(rl_cluster_lib.RLCluster):
         self.real = real
         self._rows = rows
         self.lengths: list[int] = []  # this step's response lengths (cleared when a step begins)
+        self._generations = 0
 
     def generate(self, *args, **kwargs) -> base_rollout.RolloutOutput:
-        """tunix's generate, then the checks; adds the completion tokens to the clock."""
+        """tunix's generate with a new sampling seed per call (the workload's seed + the call's index,
+        as the other participants draw new keys every step), then the checks; adds the completion
+        tokens to the clock."""
+        rollout = self.rollout
+        if not getattr(rollout, "_reseeded", False):  # once: wrap the rollout's own generate
+            generate = rollout.generate
+
+            def reseeded(prompts, rollout_config, *a, **kw):
+                return generate(prompts, dataclasses.replace(rollout_config, seed=rollout_config.seed + self._generations),
+                                *a, **kw)
+            rollout.generate, rollout._reseeded = reseeded, True
         out = super().generate(*args, **kwargs)
+        self._generations += 1
         lengths = [len(t) for t in out.tokens]
         if self.real:
             if len(lengths) != self._rows or max(lengths) > self.new_tokens:
