@@ -45,14 +45,6 @@ PUBLISHED_BF16_PEAK = {
 }
 
 
-def copy_bandwidth_gbs(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Device-to-device copy rate of the default device in GB/s (`common.jax_copy_bandwidth_gbs`):
-    the memory-bandwidth figure of the decode roofline."""
-    import common
-
-    return common.jax_copy_bandwidth_gbs(n_bytes, repeats)
-
-
 def peaks() -> dict:
     """The default device and its measured float32 / bfloat16 matmul peaks and copy bandwidth."""
     import jax
@@ -64,7 +56,7 @@ def peaks() -> dict:
     out = {"device": kind, "backend": jax.default_backend(), "jax": jax.__version__, "host_cpu": common.host_cpu(),
            "matmul_peak_gflops": {d: common.matmul_peak_gflops(lambda n, d=d: common.jax_matmul(n, d), sizes)
                                   for d in ("float32", "bfloat16")},
-           "copy_bandwidth_gbs": copy_bandwidth_gbs(), "sizes": list(sizes)}
+           "copy_bandwidth_gbs": common.jax_copy_bandwidth_gbs(1 << 30), "sizes": list(sizes)}
     if kind in PUBLISHED_BF16_PEAK:
         out["published_bf16_peak_gflops"] = PUBLISHED_BF16_PEAK[kind] / 1e9
     return out

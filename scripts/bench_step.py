@@ -137,6 +137,14 @@ def cpu_steal_jiffies() -> tuple[int, int]:
         return 0, 0
 
 
+def layer_weights(w: dict) -> int:
+    """Weights of the workload's decoder layers (attention q, k, v, o and the SwiGLU MLP), embeddings
+    excluded: the multiply-adds per token of one forward pass through the layers."""
+    D, F, L, H, K = w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"], w["num_kv_heads"]
+    hd = w.get("head_dim") or D // H
+    return L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F)
+
+
 def update_model_flops(w: dict, response_lens: list[int] | None = None) -> float:
     """Model FLOPs of one update step over the batch: 3x the forward (forward + backward). The forward
     is 2 FLOPs per multiply-add of every weight matmul on every token the step needs, each group's
@@ -144,13 +152,13 @@ def update_model_flops(w: dict, response_lens: list[int] | None = None) -> float
     projection only on response tokens, where log-probs are needed), plus causal attention:
     2 * 2 * H * hd * (B P^2/2 + N (R P + R^2/2)) per layer. With `response_lens` (the real-model
     workload) each response counts its own length R_i instead of R = new_tokens."""
-    D, F, L, H, K = w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"], w["num_kv_heads"]
+    D, L, H = w["hidden_size"], w["num_layers"], w["num_heads"]
     hd = w.get("head_dim") or D // H
     B, P = w["num_prompts"], w["prompt_len"]
     n = B * w["group_size"]
     lens = list(response_lens) if response_lens is not None else [w["new_tokens"]] * n
     tokens = float(sum(lens))
-    per_token = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F)
+    per_token = layer_weights(w)
     forward = 2 * (B * P + tokens) * per_token + 2 * tokens * D * w["vocab_size"] \
         + L * 4 * H * hd * (B * P * P / 2 + sum(r * P + r * r / 2 for r in lens))
     return 3.0 * forward
@@ -161,11 +169,10 @@ def decode_bytes(w: dict, replicas: int, response_lens: list[int] | None = None)
     once per data-parallel replica, and the K and V caches of every live sequence (B prompt tokens of
     P plus the tokens generated so far). With `response_lens` (one per response) a sequence is live
     until its own length; decode steps = the longest. Without, every response has new_tokens."""
-    D, F, L, H, K, V = (w["hidden_size"], w["intermediate_size"], w["num_layers"], w["num_heads"],
-                        w["num_kv_heads"], w["vocab_size"])
+    D, L, H, K, V = w["hidden_size"], w["num_layers"], w["num_heads"], w["num_kv_heads"], w["vocab_size"]
     hd = w.get("head_dim") or D // H
     nbytes = 2 if w.get("dtype") == "bfloat16" else 4
-    params = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F) + V * D * (1 if w.get("tie_word_embeddings", True) else 2)
+    params = layer_weights(w) + V * D * (1 if w.get("tie_word_embeddings", True) else 2)
     n = w["num_prompts"] * w["group_size"]
     lens = list(response_lens) if response_lens is not None else [w["new_tokens"]] * n
     steps = max(lens)

@@ -114,9 +114,20 @@ def real_reward(response: str, ground_truth: str) -> float:
         return 0.0
 
 
-def score(workload: dict, response: str, ground_truth: str) -> float:
-    """The workload's reward of one response: `real_reward` on the real-model workload, else `reward`."""
-    return (real_reward if is_real(workload) else reward)(response, ground_truth)
+def real_prompt_ids(workload: dict, tokenizer, pad_id: int):
+    """The real-model workload's prompt texts as ids (no special tokens added), left-padded with
+    `pad_id` to prompt_len: (ids, mask), int32 [num_prompts, prompt_len] each. Raises when the longest
+    prompt is not prompt_len tokens (the participants must see the driver's prompts)."""
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in workload["prompt_texts"]]
+    width = workload["prompt_len"]
+    if max(len(r) for r in rows) != width:
+        raise RuntimeError(f"the longest prompt has {max(len(r) for r in rows)} tokens, the workload's prompt_len "
+                           f"is {width}")
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids, mask
 
 
 class StepClock:

@@ -81,12 +81,7 @@ def main() -> None:
         tokenizer = policy.tokenizer
         eos_ids = tuple(workload["eos_token_ids"])
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in workload["prompt_texts"]]
-        width = workload["prompt_len"]
-        ids = np.full((len(rows), width), pad_id, np.int32)
-        mask = np.zeros((len(rows), width), np.int32)
-        for i, r in enumerate(rows):  # left padding
-            ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+        ids, mask = common.real_prompt_ids(workload, tokenizer, pad_id)
         truths = workload["ground_truths"]
     else:
         tokenizer = common.build_tokenizer()

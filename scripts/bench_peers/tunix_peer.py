@@ -214,20 +214,6 @@ def pick_pad_id(tokenizer, eos_ids: list[int], rows: list[list[int]]) -> int:
                            f"pad id {candidates} occurs inside the prompts")
 
 
-def real_prompts(workload: dict, tokenizer, pad_id: int) -> np.ndarray:
-    """The workload's prompt texts as ids without added special tokens, left-padded with `pad_id` to
-    prompt_len, int32 [num_prompts, prompt_len]."""
-    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in workload["prompt_texts"]]
-    width = workload["prompt_len"]
-    if max(len(r) for r in rows) != width:
-        raise RuntimeError(f"the longest prompt has {max(len(r) for r in rows)} tokens, the workload's prompt_len "
-                           f"is {width}")
-    ids = np.full((len(rows), width), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-    return ids
-
-
 def use_rope_theta(theta: float) -> None:
     """Makes tunix's llama3 attention apply RoPE with `theta` (0.1.7 drops ModelConfig.rope_theta)."""
     llama3_model.apply_rope = functools.partial(_APPLY_ROPE, rope_theta=theta)
@@ -302,7 +288,7 @@ def build_learner(workload: dict, clock: common.StepClock) -> TimedGRPOLearner:
         pad_id = pick_pad_id(hf_tokenizer, eos_ids,
                              [hf_tokenizer(t, add_special_tokens=False)["input_ids"] for t in w["prompt_texts"]])
         tokenizer = PromptTokenizer(hf_tokenizer, eos_ids, pad_id)
-        prompt_ids = real_prompts(w, hf_tokenizer, pad_id)
+        prompt_ids = common.real_prompt_ids(w, hf_tokenizer, pad_id)[0]
     else:
         tokenizer = common.build_tokenizer()
         eos_ids = [w["vocab_size"]]
