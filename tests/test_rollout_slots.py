@@ -174,3 +174,24 @@ def test_bench_length_mix_has_the_recorded_ratio():
     np.testing.assert_array_equal(again, lengths)
     fixed, _ = bench.length_mix("fixed", 5, 7, ratio=10.0, p95=0.5, seed=0)
     assert fixed.tolist() == [7] * 5
+
+
+def test_refills_per_step_are_capped_and_schedule_replays_the_cap(policies):
+    """When more than REFILL_LANES slots free up together while responses are pending, only
+    REFILL_LANES are refilled in that step (the rest the next step); responses stay the static
+    sampler's and `schedule` predicts the device's decode steps."""
+    assert slots.REFILL_LANES == 8
+    # 24 responses of 3 tokens on 12 slots: all 12 end at step 2, 8 refill then, 4 at step 3.
+    plan = slots.schedule([3] * 24, 12)
+    assert plan["decode_steps"] == 5 and plan["busy_slot_steps"] == 48
+    model = policies["qwen2"].model
+    ids, mask = prompts()
+    stop = np.full(ids.shape[0] * 8, 3, np.int32)
+    kw = dict(rng=jax.random.key(7), group_size=8, max_new_tokens=6, eos_ids=(), stop_lengths=stop)
+    ref = generate(model, ids, mask, **kw)
+    graphdef, state = nnx.split(model)
+    spec = sampler.RolloutSpec(group_size=8, max_new_tokens=6, eos_ids=(), pad_id=PAD,
+                               sampling=sampler.SamplingParams(), slots=12)
+    result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(7), stop)
+    assert_same_rollout(result, ref)
+    assert int(steps) == slots.schedule(stop, 12)["decode_steps"]
