@@ -45,6 +45,9 @@ the reward is the final number (common.real_reward). Every participant loads the
 Generated tokens vary per step and participant: tokens/s is each one's own generated tokens over
 its own rollout time, and the update's model FLOPs count the tokens actually generated.
 `--slots N` runs stare-jax's slot-refilling sampler (rollout.slots) instead of the static batch.
+`--pack-tokens M` sets stare-jax's `ppo.pack_tokens` (the update on packed responses, capacity
+rounded up to M tokens a device); default 1024 on the real-model workload, 0 on the synthetic ones
+(their responses all have the same length, so there is nothing to pack).
 
 Roofline (`roofline` in the JSON, computed from the workload's shape and the measured peaks):
     update_floor_s = update model FLOPs / matmul peak; update_vs_floor = median update / floor
@@ -255,6 +258,8 @@ def main() -> None:
                     help="where a GGUF model is converted once (default runs/bench_models)")
     ap.add_argument("--slots", type=int, default=0,
                     help="stare-jax: slot-refilling rollouts with this many decode slots (0: static batch)")
+    ap.add_argument("--pack-tokens", type=int, default=None,
+                    help="stare-jax: ppo.pack_tokens (default 1024 with --model, 0 otherwise; 0 = padded update)")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
@@ -267,6 +272,10 @@ def main() -> None:
         ap.error("--new-tokens N (N >= 1) goes with --model")
     if args.slots < 0:
         ap.error("--slots must be >= 0")
+    if args.pack_tokens is None:
+        args.pack_tokens = 1024 if args.model else 0
+    if args.pack_tokens < 0:
+        ap.error("--pack-tokens must be >= 0")
     if args.model:
         workload = real_workload(args.model, args.model_cache, args.new_tokens or common.REAL["new_tokens"])
         workload["dtype"] = args.dtype
@@ -291,7 +300,7 @@ def main() -> None:
                            check=True, stdout=subprocess.DEVNULL)
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
-                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots))]
+                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -332,7 +341,7 @@ def main() -> None:
                       response_length_mean={n: round(statistics.mean(st["tokens"] for st in wk.steps)
                                                      / (workload["num_prompts"] * workload["group_size"]), 1)
                                             for n, wk in zip([w.name for w in workers], workers)},
-                      slots=args.slots)
+                      slots=args.slots, pack_tokens=args.pack_tokens)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
                   steps=args.steps, dtype=args.dtype,
                   device=ours.get("device", "cpu"),

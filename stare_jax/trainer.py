@@ -437,15 +437,19 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                                                    jax.random.fold_in(step_key, 0), eos_ids=eos_ids, pad_id=pad_id,
                                                    mesh=mesh)
             t1 = time.perf_counter()
+            batch, packing = update.arrange(batch)  # packed layout from host memory: no device read-back
             train_state, update_metrics = update(train_state, parallel.shard_batch(batch, mesh),
-                                                 jax.random.fold_in(step_key, 1))
+                                                 jax.random.fold_in(step_key, 1), packing=packing)
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
             t2 = time.perf_counter()
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
                    "step_s": t2 - t0, "compilations": compilations.take()}
+            if packing is not None:
+                row["packed_capacity"] = packing.capacity
             if step > start and row["compilations"]:
-                log.warning("step %d compiled %d XLA programs (prompt bucket %d): shapes changed since the first "
-                            "step", step, row["compilations"], row["prompt_len"])
+                log.warning("step %d compiled %d XLA programs (prompt bucket %d%s): shapes changed since the first "
+                            "step", step, row["compilations"], row["prompt_len"],
+                            "" if packing is None else f", packed capacity {packing.capacity}")
             done = step + 1
             if config.test_freq and done % config.test_freq == 0 and config.eval.enabled:
                 row.update(_run_eval(config, train_state.model, tokenizer, eval_sources, base_key, done,

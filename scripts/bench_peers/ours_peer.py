@@ -51,6 +51,7 @@ def bench_config(workload: dict):
     c.dynamic_sampling.enabled = False
     c.reward.name = "common:real_reward" if real else "common:reward"
     c.rollout.slots = w.get("slots", 0)
+    c.ppo.pack_tokens = w.get("pack_tokens", 0)
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
@@ -66,6 +67,7 @@ def main() -> None:
     import numpy as np
 
     from stare_jax import distributed, parallel
+    from stare_jax.compilation import CompilationCounter
     from stare_jax.models import from_pretrained
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
@@ -109,26 +111,30 @@ def main() -> None:
     base_key = jax.random.key(config.seed)
     step = 0
 
-    def timed_update(state, step_fn, batch, key):
+    def timed_update(state, step_fn, batch, key, packing):
         t0 = time.perf_counter()
-        state, out = step_fn(state, batch, key)
+        state, out = step_fn(state, batch, key, packing=packing)
         jax.block_until_ready(out)
         return state, out, time.perf_counter() - t0
 
+    compilations = CompilationCounter()
+
     def one_step() -> dict:
         nonlocal train_state, step
+        compilations.take()
         key = jax.random.fold_in(base_key, step)
         t0 = time.perf_counter()
         batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
                                        jax.random.fold_in(key, 0), eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
         t1 = time.perf_counter()
+        batch, packing = update.arrange(batch)  # as the trainer does: groups balanced, layout from host memory
         sharded = parallel.shard_batch(batch, mesh)
         grpo_first = paired is not None and step % 2 == 1  # alternate which update runs first
         if grpo_first:
-            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1))
-        train_state, out, update_s = timed_update(train_state, update, sharded, jax.random.fold_in(key, 1))
+            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
+        train_state, out, update_s = timed_update(train_state, update, sharded, jax.random.fold_in(key, 1), packing)
         if paired is not None and not grpo_first:
-            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1))
+            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
         step += 1
         lens = batch["response_mask"].sum(axis=1).astype(int)
         tokens = int(lens.sum())
@@ -140,6 +146,9 @@ def main() -> None:
         result = {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": update_s,
                   "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
                   "peak_rss_mb": common.peak_rss_mb()}
+        result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
+        if packing is not None:
+            result["packed_capacity"] = packing.capacity
         if real:
             result["response_lens"] = lens.tolist()
             result["reward_mean"] = float(np.mean(batch["rewards"])) if "rewards" in batch else None

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stare_jax import parallel
 from stare_jax.models.attention import grouped_response_attention
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
+from stare_jax.models.packing import Packing, gather_packed, packed_token_index, scatter_packed
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
 _MASK_VALUE = -1e30
@@ -238,6 +239,50 @@ class Decoder(nnx.Module):
         response keys) and causally to their own tokens with `response_mask` 1. Returns
         (prompt hidden [B, P, D], response hidden [N, R, D]).
         """
+        parts = self._grouped_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+        embed, rope_p, rope_r, biases = parts
+
+        def layer(carry, p):
+            if self.fused_projections:
+                p = fuse_projections(p)
+            xp, xr = _grouped_decoder_layer(self.config, self.dtype, p, *carry, rope_p, rope_r, biases)
+            return (self.constrain_batch(xp), self.constrain_batch(xr)), None
+
+        xp, xr = self._run_layers(layer, (embed(prompt_ids), embed(response_ids)))
+        return self._final_norm(xp), self._final_norm(xr)
+
+    def packed_grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
+                                     response_mask: jax.Array, packing: Packing
+                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`grouped_hidden_states` with the responses packed (`models.packing`): every per-token
+        operation runs on each row block's kept tokens [S, C] instead of the padded grid [N, R];
+        attention scatters q/k/v onto the grid and gathers its output back.
+
+        The same values as `grouped_hidden_states` at the kept positions (up to float32 rounding).
+        `packing` = (C, S), both static: S row blocks (`packing.block_count`, one per batch shard)
+        of C entries (`packing.packed_capacity` of the same mask and S). Returns (prompt hidden
+        [B, P, D], packed response hidden [S, C, D], index [S, C]); the index maps packed entries to
+        grid positions (`packing.packed_rows_and_columns`).
+        """
+        N, R = response_ids.shape
+        index = packed_token_index(response_mask.astype(jnp.int32), packing.capacity, packing.shards)
+        embed, rope_p, rope_r, biases = self._grouped_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+        rope_c = tuple(self.constrain_batch(gather_packed(t, index)) for t in rope_r)
+        grid = lambda t: self.constrain_batch(scatter_packed(t, index, N, R))  # noqa: E731
+        packed = lambda t: self.constrain_batch(gather_packed(t, index))  # noqa: E731
+
+        def layer(carry, p):
+            if self.fused_projections:
+                p = fuse_projections(p)
+            xp, xc = _packed_grouped_decoder_layer(self.config, self.dtype, p, *carry, rope_p, rope_c, biases,
+                                                   grid, packed)
+            return (self.constrain_batch(xp), self.constrain_batch(xc)), None
+
+        xp, xc = self._run_layers(layer, (embed(prompt_ids), embed(gather_packed(response_ids, index))))
+        return self._final_norm(xp), self._final_norm(xc), index
+
+    def _grouped_inputs(self, prompt_ids, prompt_mask, response_ids, response_mask):
+        """(embed, prompt RoPE, response RoPE [N, R], attention biases) of a grouped forward."""
         cfg = self.config
         B, N = prompt_ids.shape[0], response_ids.shape[0]
         if N % B:
@@ -254,20 +299,17 @@ class Decoder(nnx.Module):
                   as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))     # [N, R, R]
         embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
-        rope_p, rope_r = rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table)
+        return embed, rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table), biases
 
-        def layer(carry, p):
-            if self.fused_projections:
-                p = fuse_projections(p)
-            xp, xr = _grouped_decoder_layer(cfg, self.dtype, p, *carry, rope_p, rope_r, biases)
-            return (self.constrain_batch(xp), self.constrain_batch(xr)), None
-
+    def _run_layers(self, layer, carry):
+        """Scans `layer(carry, params)` over the stacked layers (rematerialised with `remat`)."""
         if self.remat:
             layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-        (xp, xr), _ = jax.lax.scan(layer, (embed(prompt_ids), embed(response_ids)), self.layers.arrays(),
-                                   unroll=not self.scan_layers)
-        norm = lambda x: rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)  # noqa: E731
-        return norm(xp), norm(xr)
+        carry, _ = jax.lax.scan(layer, carry, self.layers.arrays(), unroll=not self.scan_layers)
+        return carry
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
 
 
 @jax.custom_vjp
@@ -454,3 +496,21 @@ def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, b
     xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
     xr = attention_residual(p, xr, attn_r.reshape(N, R, H * hd), dtype)
     return mlp_residual(cfg, p, xp, dtype), mlp_residual(cfg, p, xr, dtype)
+
+
+def _packed_grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xc, rope_p, rope_c, biases, grid, packed):
+    """`_grouped_decoder_layer` with the responses packed: xc [S, C, D] and rope_c hold the kept
+    response tokens; `grid` scatters a packed [S, C, ...] array onto [N, R, ...] and `packed`
+    gathers it back. Only the responses' attention runs on the grid."""
+    B, P_len, _ = xp.shape
+    H, hd = cfg.num_heads, cfg.head_dim
+    bias_pp, bias_rp, bias_rr = biases
+    qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
+    qc, kc, vc = attention_inputs(cfg, dtype, p, xc, *rope_c)
+    attn_p = _attend(qp, kp, vp, bias_pp, dtype)
+    attn_r = grouped_response_attention(grid(qc), kp, vp, grid(kc), grid(vc), bias_rp, bias_rr)
+    N, R = attn_r.shape[:2]
+    attn_c = packed(attn_r.reshape(N, R, H * hd))
+    xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
+    xc = attention_residual(p, xc, attn_c, dtype)
+    return mlp_residual(cfg, p, xp, dtype), mlp_residual(cfg, p, xc, dtype)

@@ -56,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "update.num_minibatches": 1,
     "update.grad_accum": 1,
     "update.share_prompt": True,
+    "update.pack_tokens": 0,
     "model.vocab_chunk": 8192,
     "rollout.group_size": 8,
 }
@@ -69,6 +70,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "update.num_minibatches": ("ppo.num_minibatches",),
     "update.grad_accum": ("ppo.grad_accum",),
     "update.share_prompt": ("ppo.share_prompt",),
+    "update.pack_tokens": ("ppo.pack_tokens",),
 }
 
 _MISSING = object()
@@ -188,6 +190,7 @@ class RLSettings:
     vocab_chunk: int = 8192
     group_size: int = 8
     share_prompt: bool = True
+    pack_tokens: int = 0  # > 0: packed responses, capacity rounded up to this multiple (models.packing)
 
     @property
     def num_updates(self) -> int:
@@ -244,12 +247,15 @@ class RLSettings:
             ppo_epochs=int(g("update.ppo_epochs")), num_minibatches=int(g("update.num_minibatches")),
             grad_accum=int(g("update.grad_accum")), vocab_chunk=int(g("model.vocab_chunk")),
             group_size=int(g("rollout.group_size")), share_prompt=bool(g("update.share_prompt")),
+            pack_tokens=int(g("update.pack_tokens")),
         )
         for key, value in (("update.ppo_epochs", out.ppo_epochs), ("update.num_minibatches", out.num_minibatches),
                            ("update.grad_accum", out.grad_accum), ("model.vocab_chunk", out.vocab_chunk),
                            ("rollout.group_size", out.group_size)):
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
+        if out.pack_tokens < 0:
+            raise ValueError(f"update.pack_tokens must be >= 0 (0: no packing), got {out.pack_tokens}")
         for key, value in (("loss.hapo_alpha", loss.hapo_alpha), ("loss.hapo_phi", loss.hapo_phi),
                            ("loss.entropy_adv_alpha", loss.entropy_adv_alpha),
                            ("loss.entropy_adv_kappa", loss.entropy_adv_kappa)):

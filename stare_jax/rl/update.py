@@ -39,6 +39,12 @@ default) each forward runs a prompt once and lets its G responses attend to it
 (`Decoder.grouped_hidden_states`): the same values as the forward over every row, with the prompt
 tokens' share of the compute divided by G (by G / K per micro-batch, when K divides G).
 
+Packed responses. With `ppo.pack_tokens` = M > 0 every forward of the step runs on packed
+responses (`models.packing`): each row's tokens up to its last real one, gathered per batch shard
+into a buffer of static capacity (the largest shard's count rounded up to M), so projections,
+MLPs, norms and the vocabulary pass skip the padding after the responses' ends; attention scatters
+onto the [N, R] grid. Same values up to float32 rounding; one compilation per capacity bucket.
+
 Micro-batch k of the K = num_minibatches * grad_accum micro-batches is the strided row set
 {i K + k}, so that with the batch sharded contiguously over (data, fsdp) every micro-batch is spread
 over all devices without communication. `stare.selection_scope="microbatch"` selects per
@@ -53,12 +59,15 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
 from stare_jax.models.decoder import positions_from_mask
+from stare_jax.models.packing import (Packing, balanced_group_order, block_count, gather_packed, packed_capacity,
+                                      packed_rows_and_columns, scatter_packed)
 from stare_jax.rl.advantages import group_advantages
 from stare_jax.rl.diagnostics import polarity_entropy_diagnostics, polarity_entropy_quadrants, quadrant_diagnostics
 from stare_jax.rl.logprobs import TokenStats, token_stats
@@ -79,18 +88,28 @@ BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log
 
 
 def response_token_stats(model, input_ids, attention_mask, response_len: int, *, vocab_chunk: int,
-                         with_pi2: bool = False, temperature: float = 1.0, group_size: int = 1) -> TokenStats:
+                         with_pi2: bool = False, temperature: float = 1.0, group_size: int = 1,
+                         packing: Packing | None = None) -> TokenStats:
     """Per response token [N, R]: log pi(o_t), entropy H_t (and Q_t), from the decoder's final hidden
     states at positions P-1 .. P+R-2 and its [D, V] output matrix, chunked over the vocabulary.
 
     With `group_size` G > 1 the rows come in groups of G that share one prompt (rows i*G .. i*G+G-1
     hold the same prompt columns), and each prompt runs through the decoder once
     (`Decoder.grouped_hidden_states`) instead of G times.
+
+    With `packing` (static; `UpdateStep.packing` of the response mask) the responses run packed
+    (`Decoder.packed_grouped_hidden_states`): the decoder and the vocabulary pass see only each
+    row's tokens up to its last real one, and the statistics are scattered back onto [N, R] (zeros
+    after each row's end).
     """
     N, L = input_ids.shape
     P_len = L - response_len
     if P_len < 1:
         raise ValueError("input_ids must hold at least one prompt token before the response")
+    if packing is not None:
+        return _packed_response_token_stats(model, input_ids, attention_mask, response_len, packing,
+                                            vocab_chunk=vocab_chunk, with_pi2=with_pi2, temperature=temperature,
+                                            group_size=group_size)
     if group_size > 1:
         prompts = lambda x: x.reshape(N // group_size, group_size, L)[:, 0, :P_len]  # noqa: E731
         prompt_hidden, response_hidden = model.grouped_hidden_states(
@@ -102,6 +121,27 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
         h = hidden[:, P_len - 1:L - 1]
     return token_stats(h, model.output_embedding(), input_ids[:, P_len:], chunk_size=vocab_chunk,
                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
+
+
+def _packed_response_token_stats(model, input_ids, attention_mask, response_len: int, packing: Packing, *,
+                                 vocab_chunk: int, with_pi2: bool, temperature: float, group_size: int) -> TokenStats:
+    """`response_token_stats` on packed responses. The token at packed entry j (row r, column c) is
+    predicted by the hidden state of entry j - 1 (the same row's column c - 1: kept positions are
+    a prefix of each row, packed row-major) or, at c = 0, by the last prompt position of r's group."""
+    N, L = input_ids.shape
+    R, P_len = response_len, L - response_len
+    prompts = lambda x: x.reshape(N // group_size, group_size, L)[:, 0, :P_len]  # noqa: E731
+    responses = input_ids[:, P_len:]
+    prompt_hidden, packed_hidden, index = model.packed_grouped_hidden_states(
+        prompts(input_ids), prompts(attention_mask), responses, attention_mask[:, P_len:], packing)
+    row, col = packed_rows_and_columns(index, N, R)
+    previous = jnp.concatenate([jnp.zeros_like(packed_hidden[:, :1]), packed_hidden[:, :-1]], axis=1)
+    last_prompt = jnp.take(prompt_hidden[:, -1], row // group_size, axis=0)  # [S, C, D]
+    h = model.constrain_batch(jnp.where((col == 0)[..., None], last_prompt, previous))
+    stats = token_stats(h, model.output_embedding(), gather_packed(responses, index), chunk_size=vocab_chunk,
+                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
+    grid = lambda x: None if x is None else model.constrain_batch(scatter_packed(x, index, N, R))  # noqa: E731
+    return TokenStats(log_probs=grid(stats.log_probs), entropy=grid(stats.entropy), pi2_dev=grid(stats.pi2_dev))
 
 
 @flax.struct.dataclass
@@ -184,14 +224,15 @@ def prepare_step(settings: RLSettings, controller: ControllerState, log_probs, e
 def single_pass_loss_and_grad(settings: RLSettings, model, controller: ControllerState, *, input_ids,
                               attention_mask, response_mask, old_log_probs, advantages, rng,
                               ref_log_probs=None, selection_groups: int = 1, prompt_groups: int = 1,
-                              rewards=None):
+                              rewards=None, packing: Packing | None = None):
     """One forward + backward over a whole batch (the on-policy path).
 
     Returns (loss, grads, metrics, prepared) where grads is an nnx.State of the model's Params,
     `advantages` is GRPO's per token [N, R] (rows group by group, `rewards` [N] beside them: the
     method's advantage rule and the quadrants need them) and entropy / advantage shaping / selection
     / diagnostics come from the same forward, stop-gradient; `prompt_groups` > 1 runs each shared
-    prompt once (`response_token_stats`). Pure: the model is not modified.
+    prompt once and `packing` runs the responses packed (`response_token_stats`). Pure: the model
+    is not modified.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     R = response_mask.shape[1]
@@ -202,7 +243,7 @@ def single_pass_loss_and_grad(settings: RLSettings, model, controller: Controlle
     def loss_fn(p):
         m = nnx.merge(graphdef, p, rest)
         stats = response_token_stats(m, input_ids, attention_mask, R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
-                                     group_size=prompt_groups)
+                                     group_size=prompt_groups, packing=packing)
         adv, quadrants, keep = shape_batch(settings, advantages, rewards, stats.log_probs, stats.entropy, mask)
         prep = prepare_step(settings, controller, stats.log_probs, stats.entropy, stats.pi2_dev, adv, mask,
                             selection_groups=selection_groups, quadrants=quadrants, keep=keep)
@@ -241,8 +282,9 @@ def _tree_where(pred, a, b):
     return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng):
-    """The whole update step on pure state (see the module docstring)."""
+def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None = None):
+    """The whole update step on pure state (see the module docstring); `packing` (static) runs every
+    forward over packed responses."""
     ts = nnx.merge(graphdef, state)
     controller = ts.controller.get()
     ids = batch["input_ids"].astype(jnp.int32)
@@ -278,7 +320,8 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
     ref_k = None
     if settings.loss.uses_reference:
         def ref_lp(xs):
-            s = response_token_stats(ts.ref_model, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, group_size=shared)
+            s = response_token_stats(ts.ref_model, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, group_size=shared,
+                                     packing=packing)
             return jax.lax.stop_gradient(s.log_probs)
         ref_k = jax.lax.map(ref_lp, (ids_k, am_k))
 
@@ -301,7 +344,7 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             settings, ts.model, controller, input_ids=ids, attention_mask=am, response_mask=mask,
             old_log_probs=behaviour, advantages=adv, rng=rng_loss,
             ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups, prompt_groups=shared,
-            rewards=batch["rewards"])
+            rewards=batch["rewards"], packing=packing)
         state, gnorm, ok = apply_grads(state, grads, loss)
         metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32)}
         all_ok = ok
@@ -311,7 +354,7 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         def pre(xs):
             m = nnx.merge(graphdef_m, params0, rest0)
             s = response_token_stats(m, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
-                                     group_size=shared)
+                                     group_size=shared, packing=packing)
             return jax.tree_util.tree_map(jax.lax.stop_gradient, (s.log_probs, s.entropy, s.pi2_dev))
 
         lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
@@ -335,7 +378,8 @@ def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
 
         def micro_loss(params, rest, d, view, j, key):
             m = nnx.merge(graphdef_m, params, rest)
-            stats = response_token_stats(m, d["ids"], d["am"], R, vocab_chunk=settings.vocab_chunk, group_size=shared)
+            stats = response_token_stats(m, d["ids"], d["am"], R, vocab_chunk=settings.vocab_chunk, group_size=shared,
+                                         packing=packing)
             ctx = LossContext(log_probs=stats.log_probs, old_log_probs=d["old"], advantages=d["adv"], mask=d["mask"],
                               entropy=stats.entropy, token_weights=d["w"], rng=key, view=view, index=j,
                               settings=settings.loss, ref_log_probs=d.get("ref"))
@@ -388,6 +432,12 @@ class UpdateStep:
     (its arrays are donated) and returns it with a dict of float32 scalar metrics.
     `step.apply(state, batch, rng)` is the same on the pure state (`nnx.state(train_state)`), and
     `step.lower(state, batch, rng)` lowers it (arguments may be abstract `jax.ShapeDtypeStruct`s).
+
+    With `update.pack_tokens` > 0 the step runs on packed responses (`models.packing`); the packed
+    capacity is part of the compiled shape and comes from the batch's response mask on the host
+    (`step.packing(mask)`), so a caller that holds the batch in host memory runs
+    `batch, packing = step.arrange(host_batch)` (which also evens out the shards' token counts)
+    and passes `packing=packing`: the step then reads nothing back from the devices.
     """
 
     def __init__(self, settings: RLSettings, mesh: Mesh, train_state: TrainState, *, donate: bool = True,
@@ -403,7 +453,7 @@ class UpdateStep:
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         on_cpu = cpu_options and mesh.devices.flat[0].platform == "cpu"
         self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
-                              out_shardings=(self.state_shardings, replicated),
+                              out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
                               donate_argnums=(0,) if donate else (),
                               compiler_options=CPU_UPDATE_COMPILER_OPTIONS if on_cpu else None)
 
@@ -414,16 +464,52 @@ class UpdateStep:
             raise KeyError(f"batch is missing {missing}; needs {list(BATCH_NDIMS)}")
         return {k: batch[k] for k in BATCH_NDIMS}
 
-    def apply(self, state, batch: dict, rng) -> tuple[Any, dict]:
+    def packing(self, response_mask) -> Packing | None:
+        """The packed layout of a batch with this [N, R] response mask (None without packing):
+        capacity from `packing.packed_capacity` over the update's micro-batches and row blocks."""
+        s = self.settings
+        if not s.pack_tokens:
+            return None
+        mask = parallel.to_host(response_mask)
+        shards = block_count(self.mesh, mask.shape[0] // s.num_micro)
+        return Packing(packed_capacity(mask, shards=shards, multiple=s.pack_tokens, micro_batches=s.num_micro), shards)
+
+    def arrange(self, batch: dict) -> tuple[dict, Packing | None]:
+        """Host side, before sharding: (batch, packing) for a host batch. With packing, whole groups
+        are reordered so that the row blocks of the batch shards hold even token counts
+        (`packing.balanced_group_order`; the update is the same up to float rounding in any group
+        order) and the packed layout is computed from the reordered mask. Without: (batch, None)."""
+        s = self.settings
+        if not s.pack_tokens:
+            return batch, None
+        mask = np.asarray(batch["response_mask"])
+        order = balanced_group_order(mask, s.group_size, block_count(self.mesh, mask.shape[0]))
+        if not np.array_equal(order, np.arange(len(order))):
+            batch = {k: np.asarray(v)[order] for k, v in batch.items()}
+        return batch, self.packing(batch["response_mask"])
+
+    def full_packing(self, num_rows: int, response_len: int) -> Packing | None:
+        """The largest packed layout of [num_rows, response_len] batches (every position kept)."""
+        if not self.settings.pack_tokens:
+            return None
+        return self.packing(np.ones((num_rows, response_len), np.int32))
+
+    def apply(self, state, batch: dict, rng, packing: Packing | None = None) -> tuple[Any, dict]:
         """Pure form: (new state, metrics) from the pure train state."""
-        return self.jitted(state, self._batch(batch), rng)
+        if packing is None:
+            packing = self.packing(batch["response_mask"])
+        return self.jitted(state, self._batch(batch), rng, packing)
 
-    def lower(self, state, batch: dict, rng):
-        """`jax.jit(...).lower` of the step (for compiled memory / cost analysis)."""
-        return self.jitted.lower(state, self._batch(batch), rng)
+    def lower(self, state, batch: dict, rng, packing: Packing | None = None):
+        """`jax.jit(...).lower` of the step (for compiled memory / cost analysis); packed steps lower
+        at their largest capacity unless `packing` is given."""
+        if packing is None:
+            packing = self.full_packing(*batch["response_mask"].shape)
+        return self.jitted.lower(state, self._batch(batch), rng, packing)
 
-    def __call__(self, train_state: TrainState, batch: dict, rng) -> tuple[TrainState, dict]:
-        new_state, metrics = self.apply(nnx.state(train_state), batch, rng)
+    def __call__(self, train_state: TrainState, batch: dict, rng,
+                 packing: Packing | None = None) -> tuple[TrainState, dict]:
+        new_state, metrics = self.apply(nnx.state(train_state), batch, rng, packing)
         nnx.update(train_state, new_state)
         return train_state, metrics
 

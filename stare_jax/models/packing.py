@@ -1,0 +1,136 @@
+"""Packed response tokens: the update's per-token work on real tokens only, not on padding.
+
+A batch of N responses is a padded grid [N, R]: the sampler stops each response at its EOS, so on a
+real model at temperature 1 some 40 % of the grid is padding after the responses' ends. Every
+per-token operation of the update (projections, SwiGLU, norms, RoPE, the vocabulary pass) costs the
+same on a padding position as on a token. Packing gathers the tokens that matter into a dense
+buffer and runs those operations on it; only attention, which needs the (row, column) layout,
+scatters its inputs back onto the grid for a moment.
+
+Layout. The rows are split into S contiguous blocks, one per batch shard of the mesh (the batch is
+sharded contiguously over (data, fsdp)), so a block's tokens stay on the device that holds its
+rows and the gathers and scatters move no data between devices. Block s keeps, row-major, the
+positions c < len_r of its rows r, where len_r is one past the row's last real token (the tokens
+before it that the mask zeroes, if any, are kept too: they are queries in the padded forward and
+predict the next token), then pads to `capacity` with the out-of-range index rows_per_block * R.
+A gather reads zeros at such an index and a scatter drops it, so the padding entries never touch
+the grid.
+
+The capacity C is static (part of the compiled program's shape): the host rounds the largest
+block's count up to a multiple (`packed_capacity`), so batches whose lengths fall in the same
+bucket share one compilation. Since the largest block sets C for all of them, the host first deals
+whole groups to the blocks so that their token counts come out even (`balanced_group_order`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Packing(NamedTuple):
+    """The static layout of a packed forward: `shards` row blocks of `capacity` entries each."""
+
+    capacity: int
+    shards: int
+
+
+def block_count(mesh, rows: int) -> int:
+    """Row blocks of a packed forward over `rows` rows on `mesh`: one per batch shard when the
+    shards divide the rows, else 1 (the rows are then not split over the batch axes either)."""
+    from stare_jax import parallel
+
+    shards = 1 if mesh is None else parallel.batch_divisor(mesh)
+    return shards if rows % shards == 0 else 1
+
+
+def kept_lengths(response_mask) -> np.ndarray | jax.Array:
+    """len_r = 1 + the column of row r's last nonzero mask entry (0 for an empty row), [N]."""
+    xp = jnp if isinstance(response_mask, jax.Array) else np
+    R = response_mask.shape[-1]
+    cols = xp.arange(1, R + 1, dtype=np.int32)
+    return xp.max(xp.where(response_mask > 0, cols, 0), axis=-1)
+
+
+def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, micro_batches: int = 1) -> int:
+    """Host side: the static capacity C for a batch's [N, R] response mask (numpy).
+
+    The rows are cut like the update cuts them: micro-batch k holds rows {i K + k} (K =
+    `micro_batches`), each split into `shards` contiguous blocks; C is the largest block's kept
+    token count rounded up to `multiple`, and at most the block's full grid (rows per block * R).
+    """
+    mask = np.asarray(response_mask)
+    N, R = mask.shape
+    if N % (micro_batches * shards):
+        raise ValueError(f"{N} rows do not split into {micro_batches} micro-batches x {shards} shards")
+    lengths = kept_lengths(mask).astype(np.int64)
+    per_block = lengths.reshape(N // micro_batches, micro_batches).T.reshape(micro_batches, shards, -1).sum(-1)
+    full = N // (micro_batches * shards) * R
+    multiple = max(int(multiple), 1)
+    return int(min(full, max(multiple, -(-int(per_block.max()) // multiple) * multiple)))
+
+
+def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int) -> np.ndarray:
+    """Host side: a row permutation [N] that moves whole groups of `group_size` rows between the
+    `shards` contiguous row blocks so that the blocks' kept token counts are even.
+
+    Greedy (longest processing time first): groups in decreasing token count, each to the block
+    with the fewest tokens among those with room left (every block takes N / (G shards) groups);
+    inside a block the groups keep their original order. The identity when that is no more even
+    than the order as it is, or when the groups do not divide evenly over the blocks.
+    """
+    mask = np.asarray(response_mask)
+    N = mask.shape[0]
+    B = N // group_size
+    if shards <= 1 or N % group_size or B % shards:
+        return np.arange(N)
+    tokens = kept_lengths(mask).astype(np.int64).reshape(B, group_size).sum(axis=1)
+    load, members = np.zeros(shards, np.int64), [[] for _ in range(shards)]
+    for g in np.argsort(-tokens, kind="stable"):
+        s = min((s for s in range(shards) if len(members[s]) < B // shards), key=lambda s: (load[s], s))
+        members[s].append(g)
+        load[s] += tokens[g]
+    if load.max() >= tokens.reshape(shards, -1).sum(axis=1).max():
+        return np.arange(N)  # the order as it is is as even: keep it
+    groups = np.concatenate([sorted(m) for m in members])
+    return (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
+
+
+def packed_token_index(response_mask: jax.Array, capacity: int, shards: int) -> jax.Array:
+    """[S, C] int32 positions (local row * R + column) of each row block's kept tokens, row-major,
+    padded with the out-of-range index rows_per_block * R (see the module docstring)."""
+    N, R = response_mask.shape
+    per = N // shards * R
+    keep = jnp.arange(R, dtype=jnp.int32)[None, :] < kept_lengths(response_mask)[:, None]
+    keep = keep.reshape(shards, per)
+    return jax.vmap(lambda k: jnp.nonzero(k, size=capacity, fill_value=per)[0].astype(jnp.int32))(keep)
+
+
+def gather_packed(grid: jax.Array, index: jax.Array) -> jax.Array:
+    """grid [N, R, ...] -> packed [S, C, ...]: the grid's entries at `index` (zeros at padding)."""
+    S = index.shape[0]
+    blocks = grid.reshape((S, grid.shape[0] // S * grid.shape[1]) + grid.shape[2:])
+    return jax.vmap(lambda b, i: jnp.take(b, i, axis=0, mode="fill", fill_value=0))(blocks, index)
+
+
+def scatter_packed(packed: jax.Array, index: jax.Array, rows: int, length: int) -> jax.Array:
+    """packed [S, C, ...] -> grid [rows, length, ...] with the packed entries at `index` and zeros
+    elsewhere (padding entries dropped); the inverse of `gather_packed` on the kept positions."""
+    S = index.shape[0]
+    per = rows // S * length
+    tail = packed.shape[2:]
+    blocks = jax.vmap(lambda v, i: jnp.zeros((per,) + tail, packed.dtype).at[i].set(v, mode="drop"))(packed, index)
+    return blocks.reshape((rows, length) + tail)
+
+
+def packed_rows_and_columns(index: jax.Array, rows: int, length: int) -> tuple[jax.Array, jax.Array]:
+    """Global row and column [S, C] of each packed entry (padding entries get the block's last row
+    and column 0; their values are dropped)."""
+    S = index.shape[0]
+    per_rows = rows // S
+    local_row = jnp.minimum(index // length, per_rows - 1)
+    row = local_row + (jnp.arange(S, dtype=jnp.int32) * per_rows)[:, None]
+    return row, index % length

@@ -1,0 +1,125 @@
+"""Packed responses (`ppo.pack_tokens`, models/packing.py): the layout, the packed forward against
+the padded one, and the update step with packing against the same step on the padded grid."""
+
+import jax
+import numpy as np
+import pytest
+
+from stare_jax import parallel
+from stare_jax.compilation import CompilationCounter
+from stare_jax.models.packing import (balanced_group_order, gather_packed, kept_lengths, packed_capacity, packed_rows_and_columns,
+                                      packed_token_index, scatter_packed)
+from stare_jax.rl import make_update_step
+from tests.test_rl_update import G, N, P_LEN, VOCAB, assert_trees_close, fresh_state, make_config, params_of
+
+R = 16
+LENGTHS = np.array([16, 3, 1, 9, 5, 16, 2, 11])
+
+
+def long_batch(lengths=LENGTHS, seed=0):
+    """N = 8 responses of up to R = 16 tokens in groups of G = 4, ending at `lengths`, with one
+    masked token inside row 3 (kept as a query, as in the padded forward)."""
+    rs = np.random.RandomState(seed)
+    prompts = np.repeat(rs.randint(3, VOCAB, (N // G, P_LEN)), G, axis=0)
+    pm = np.ones((N, P_LEN), np.int32)
+    pm[G:, :1] = 0
+    rm = (np.arange(R)[None] < np.asarray(lengths)[:, None]).astype(np.float32)
+    rm[3, 4] = 0
+    ids = np.concatenate([np.where(pm > 0, prompts, 0), np.where(rm > 0, rs.randint(3, VOCAB, (N, R)), 0)], 1)
+    am = np.concatenate([pm, (np.arange(R)[None] < np.asarray(lengths)[:, None])], 1).astype(np.int32)
+    am[3, P_LEN + 4] = 0
+    rewards = np.array([1, 0, 0, 1, 0, 1, 1, 1], np.float32)
+    old = np.where(rm > 0, -3.5 + 0.2 * rs.randn(N, R), 0).astype(np.float32)
+    return dict(input_ids=ids.astype(np.int32), attention_mask=am, response_mask=rm, old_log_probs=old,
+                rewards=rewards)
+
+
+def test_layout_capacity_index_and_round_trip():
+    mask = long_batch()["response_mask"]
+    assert kept_lengths(mask).tolist() == LENGTHS.tolist()  # the hole in row 3 does not end it
+    # 2 row blocks: rows 0-3 keep 16+3+1+9 = 29 tokens, rows 4-7 keep 5+16+2+11 = 34.
+    assert packed_capacity(mask, shards=2, multiple=1) == 34
+    assert packed_capacity(mask, shards=2, multiple=8) == 40
+    assert packed_capacity(mask, shards=2, multiple=1000) == 4 * R  # never above the block's grid
+    # 2 micro-batches (rows {2i}, {2i + 1}) of 2 blocks: {16, 1}, {5, 2}, {3, 9}, {16, 11} -> 27.
+    assert packed_capacity(mask, shards=2, multiple=1, micro_batches=2) == 27
+    with pytest.raises(ValueError, match="split"):
+        packed_capacity(mask, shards=3, multiple=1)
+
+    # Group balancing: groups of 2 rows with 30, 28, 2 and 4 tokens; blocks {30 + 28, 2 + 4} become
+    # {30 + 2, 28 + 4}, whole groups moving, each block keeping its groups in their order.
+    skewed = (np.arange(R)[None] < np.array([15, 15, 14, 14, 1, 1, 2, 2])[:, None]).astype(np.float32)
+    order = balanced_group_order(skewed, 2, 2)
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert packed_capacity(skewed[order], shards=2, multiple=1) == 32 < packed_capacity(skewed, shards=2, multiple=1)
+    assert balanced_group_order(mask, 4, 2).tolist() == list(range(N))  # two groups: no better order
+    assert balanced_group_order(skewed, 2, 3).tolist() == list(range(N))  # 4 groups do not split in 3
+
+    index = np.asarray(packed_token_index(jax.numpy.asarray(mask), 34, 2))
+    assert index.shape == (2, 34)
+    assert index[0, :17].tolist() == list(range(16)) + [R]          # row 0, then row 1 from column 0
+    assert (index[0, 29:] == 4 * R).all() and (index[1] < 4 * R).all()  # padding only where a block is short
+    row, col = map(np.asarray, packed_rows_and_columns(jax.numpy.asarray(index), N, R))
+    assert row[1, 0] == 4 and col[0, 16] == 0 and row[0, 16] == 1
+    grid = np.arange(N * R * 2, dtype=np.float32).reshape(N, R, 2) + 1
+    packed = gather_packed(jax.numpy.asarray(grid), jax.numpy.asarray(index))
+    assert np.asarray(packed)[0, 29:].sum() == 0  # padding entries read zeros
+    back = np.asarray(scatter_packed(packed, jax.numpy.asarray(index), N, R))
+    keep = np.arange(R)[None] < LENGTHS[:, None]
+    np.testing.assert_array_equal(back[keep], grid[keep])
+    assert back[~keep].sum() == 0
+
+
+@pytest.fixture(scope="module")
+def mesh4():
+    return parallel.make_mesh(data=2, fsdp=2, tensor=1, devices=jax.devices()[:4])
+
+
+@pytest.mark.parametrize("overrides", [{},
+                                       {"update.ppo_epochs": 2, "update.num_minibatches": 2, "loss.kl_type": "k3",
+                                        "loss.kl_coef": 0.1, "update.share_prompt": False, "loss.name": "hapo"}])
+def test_packed_update_equals_the_padded_update(mesh4, overrides):
+    """The update step with `ppo.pack_tokens` gives the metrics and parameters of the step on the
+    padded grid (the single pass; several optimizer steps over micro-batches with a KL reference and
+    one prompt per row), on a 4-shard mesh where every row block packs its own tokens."""
+    batch = long_batch([13, 3, 1, 9, 5, 12, 2, 11])
+    results = []
+    for pack in (0, 1):
+        config = make_config(**overrides, **{"update.pack_tokens": pack})
+        ts = fresh_state(config, mesh4, ref="loss.kl_type" in overrides)
+        step = make_update_step(config, mesh4, ts)
+        packing = step.packing(batch["response_mask"])
+        if pack:  # really packed: under each row block's grid of N / (micro-batches x 4) rows
+            assert packing.shards == 4 and packing.capacity < N // (step.settings.num_micro * 4) * R
+        ts, m = step(ts, parallel.shard_batch(batch, mesh4), jax.random.key(0), packing=packing)
+        results.append(({k: float(v) for k, v in m.items()}, params_of(ts)))
+    (m_padded, p_padded), (m_packed, p_packed) = results
+    for k in m_padded:
+        np.testing.assert_allclose(m_packed[k], m_padded[k], atol=2e-6, rtol=5e-5, err_msg=k)
+    assert m_padded["loss"] != 0.0 and m_padded["grad_norm"] > 0.0
+    # AdamW's m / sqrt(v) turns float32 rounding of a near-zero gradient into up to a few % of lr = 1e-4
+    assert_trees_close(p_packed, p_padded, atol=5e-6)
+
+
+def test_packed_capacity_buckets_bound_recompilation(mesh4):
+    """Batches whose capacities round to the same multiple share one compiled step; a longer batch
+    compiles once more. The packing is computed from host memory, and a wrong `ppo.pack_tokens` is
+    refused by the settings."""
+    config = make_config(**{"update.pack_tokens": 8})
+    ts = fresh_state(config, mesh4)
+    step = make_update_step(config, mesh4, ts)
+    counter = CompilationCounter()
+    capacities = []
+    for lengths in ([16, 3, 1, 9, 5, 16, 2, 11], [12, 3, 1, 9, 5, 16, 2, 11], [16, 16, 16, 16, 5, 16, 2, 11]):
+        batch = long_batch(lengths)
+        arranged, packing = step.arrange(batch)
+        assert arranged is batch  # 2 groups over 4 shards: nothing to balance
+        ts, m = step(ts, parallel.shard_batch(batch, mesh4), jax.random.key(0), packing=packing)
+        jax.block_until_ready(m)
+        capacities.append((packing.capacity, counter.take()))
+    assert capacities[0][0] == capacities[1][0] == 24 and capacities[2][0] == 32
+    assert capacities[0][1] > 0 and capacities[1][1] == 0 and capacities[2][1] > 0
+    assert step.full_packing(N, R).capacity == 2 * R
+    with pytest.raises(ValueError, match="pack_tokens"):
+        from stare_jax.rl import RLSettings
+        RLSettings.from_config(make_config(**{"update.pack_tokens": -1}))
