@@ -126,7 +126,11 @@ class Worker:
                 "median_update_s": round(med("update_s"), 4), "median_reward_s": round(med("reward_s"), 4),
                 "median_tokens": med("tokens"), "rollout_tokens_per_s": round(tok_s, 1),
                 "peak_rss_mb": round(max(s["peak_rss_mb"] for s in self.steps), 1),
-                "steps": len(self.steps), **{k: v for k, v in self.info.items() if k != "ready"}}
+                "steps": len(self.steps), "per_step": [
+                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in st.items()
+                     if k in ("step_s", "rollout_s", "update_s", "tokens", "compilations", "packed_capacity")}
+                    for st in self.steps],
+                **{k: v for k, v in self.info.items() if k != "ready"}}
 
 
 def cpu_steal_jiffies() -> tuple[int, int]:

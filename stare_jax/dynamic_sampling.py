@@ -6,6 +6,8 @@ no gradient; DAPO drops such groups and tops the batch up from further generatio
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -60,3 +62,14 @@ class GroupBuffer:
                 arrays = [np.pad(a, [(0, 0), (width - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
             out[k] = np.concatenate(arrays)[:n]
         return out
+
+
+def groups_to_generate(buffer: GroupBuffer, batch_groups: int) -> int:
+    """Groups the next generation batch should generate: the missing ones divided by the fraction
+    of groups kept so far in this step (at least one, at most the batch; the whole batch when none
+    was kept yet)."""
+    missing = buffer.target - buffer.num_groups
+    if buffer.num_groups == 0 or buffer.seen_groups == 0:
+        return batch_groups
+    rate = buffer.num_groups / buffer.seen_groups
+    return int(min(batch_groups, max(1, math.ceil(missing / rate))))

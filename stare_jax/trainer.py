@@ -22,7 +22,7 @@ from stare_jax.compilation import CompilationCounter
 from stare_jax import parallel
 from stare_jax import preemption
 from stare_jax import workdir as workdir_lib
-from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_with_spread
+from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_to_generate, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
 from stare_jax.models.hf import abstract_model, load_config, load_tokenizer_dir
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
@@ -198,6 +198,10 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     ground truths), and the rewards are gathered, so every process takes the same keep decisions
     and holds the same global batch. Returns (the global batch as host arrays, rollout metrics).
     Raises DynamicSamplingError after `dynamic_sampling.max_num_gen_batches` generation batches.
+
+    With the slot sampler (`rollout.slots`) a generation batch after the first generates only the
+    groups it expects to need (`groups_to_generate`: the missing groups over the keep rate seen so
+    far in this step), not a whole batch; the sampler's loop ends when those are complete.
     """
     from stare_jax.rollout import generate
 
@@ -211,6 +215,9 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     replicated = parallel.replicated(mesh)
     for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
         prompts = next(data_iter)
+        B = len(prompts["ground_truth"]) * jax.process_count()
+        limit = groups_to_generate(buffer, B) if config.rollout.slots and gen > 0 else None
+        used = B * G if limit is None else limit * G  # responses generated (group order: the first ones)
         t0 = time.perf_counter()
         prompt_ids, prompt_mask = global_prompts(config, prompts)
         prompt_lens.append(prompt_ids.shape[1])
@@ -220,17 +227,22 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
         result = generate(model, prompt_ids, prompt_mask, rng=parallel.replicated_key(jax.random.fold_in(key, gen), mesh), group_size=G,
                           max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
                           temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                          top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh, slots=config.rollout.slots)
+                          top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh, slots=config.rollout.slots,
+                          num_groups=limit)
         host = {k: parallel.to_host(v) for k, v in {
             "input_ids": result.tokens, "attention_mask": result.attention_mask,
             "response_mask": result.response_mask, "old_log_probs": result.log_probs,
             "response_ids": result.response_ids, "truncated": result.truncated}.items()}
         t1 = time.perf_counter()
         own = parallel.local_slice(len(host["response_ids"]))
-        texts = decode_responses(tokenizer, host["response_ids"][own], host["response_mask"][own], eos_ids)
-        truths = np.repeat(np.asarray(prompts["ground_truth"]), G)
+        scored = slice(own.start, max(own.start, min(own.stop, used)))  # this host's generated rows
+        texts = decode_responses(tokenizer, host["response_ids"][scored], host["response_mask"][scored], eos_ids)
+        truths = np.repeat(np.asarray(prompts["ground_truth"]), G)[:len(texts)]
         local_rewards, stats = pool.score(texts, list(truths))
-        rewards = parallel.gather_hosts(np.asarray(local_rewards, np.float32))
+        local = np.zeros(own.stop - own.start, np.float32)
+        local[:len(texts)] = local_rewards
+        rewards = parallel.gather_hosts(local)[:used]
+        host = {k: v[:used] for k, v in host.items()}
         stat_keys = sorted(k for k in stats if k != "reward_s")
         totals = parallel.gather_hosts(np.asarray([[float(stats[k]) for k in stat_keys]])).sum(axis=0)
         t2 = time.perf_counter()

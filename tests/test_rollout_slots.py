@@ -195,3 +195,91 @@ def test_refills_per_step_are_capped_and_schedule_replays_the_cap(policies):
     result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(7), stop)
     assert_same_rollout(result, ref)
     assert int(steps) == slots.schedule(stop, 12)["decode_steps"]
+
+
+def test_num_groups_generates_only_the_wanted_groups_and_stops_early(policies, sampled_reference):
+    """`num_groups=k` (dynamic sampling's top-up): the first k groups equal the full rollout's,
+    later groups come back empty (mask 0, not truncated), the loop runs only the decode steps
+    those k groups need, and new k values reuse the compiled program."""
+    ids, mask = prompts()
+    model = policies["qwen2"].model
+    graphdef, state = nnx.split(model)
+    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=13, eos_ids=FREQUENT, pad_id=PAD,
+                               sampling=sampler.SamplingParams(temperature=0.8), slots=5)
+    run = sampler._compiled_rollout(graphdef, spec, True)
+    _, full_steps = run(state, ids, mask, jax.random.key(3), None, np.int32(3))
+    counter = CompilationCounter()
+    got, steps = run(state, ids, mask, jax.random.key(3), None, np.int32(1))
+    assert counter.take() == 0
+    ref_lengths = lengths_of(sampled_reference)
+    for name in ("response_ids", "response_mask", "truncated"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name))[:4], np.asarray(getattr(sampled_reference, name))[:4])
+    np.testing.assert_allclose(np.asarray(got.log_probs)[:4], np.asarray(sampled_reference.log_probs)[:4], atol=1e-5)
+    assert lengths_of(got)[4:].sum() == 0 and not np.asarray(got.truncated)[4:].any()
+    assert (np.asarray(got.response_ids)[4:] == PAD).all()
+    assert int(steps) == slots.schedule(ref_lengths[:4], 5)["decode_steps"] < int(full_steps)
+    via_generate = generate(model, ids, mask, rng=jax.random.key(3), slots=5, num_groups=1, **SAMPLED)
+    np.testing.assert_array_equal(np.asarray(via_generate.response_mask), np.asarray(got.response_mask))
+    with pytest.raises(ValueError, match="slot sampler"):
+        generate(model, ids, mask, rng=jax.random.key(3), num_groups=1, **SAMPLED)
+    with pytest.raises(ValueError, match="num_groups"):
+        generate(model, ids, mask, rng=jax.random.key(3), slots=5, num_groups=4, **SAMPLED)
+
+
+def test_dynamic_sampling_tops_up_with_the_groups_it_expects_to_need():
+    from stare_jax.dynamic_sampling import GroupBuffer, groups_to_generate
+
+    buffer = GroupBuffer(target=8, group_size=2)
+    assert groups_to_generate(buffer, 8) == 8               # nothing seen yet: a whole batch
+    buffer.add({"r": np.zeros(16)}, np.array([1, 0, 1, 0, 1, 0, 1, 0], bool))
+    assert groups_to_generate(buffer, 8) == 8               # 4 missing at a keep rate of 1/2
+    buffer.add({"r": np.zeros(16)}, np.array([1, 1, 1, 0, 0, 0, 0, 0], bool))
+    assert groups_to_generate(buffer, 8) == 3               # 1 missing at 7/16: ceil(16/7)
+    empty = GroupBuffer(target=4, group_size=2)
+    empty.add({"r": np.zeros(8)}, np.zeros(4, bool))
+    assert groups_to_generate(empty, 4) == 4                # nothing kept yet: a whole batch
+
+
+class _ScriptedPool:
+    """Rewards by position from a script, one list of per-group rewards per call: a group's G
+    responses get 0, 1, 0, 1, ... (spread) or all 0 (no spread). Records how many it scored."""
+
+    def __init__(self, spread_per_call, group_size):
+        self.script, self.G, self.scored = list(spread_per_call), group_size, []
+
+    def score(self, texts, truths):
+        spread = self.script.pop(0)
+        self.scored.append(len(texts))
+        rewards = [float(spread[i // self.G] and i % 2) for i in range(len(texts))]
+        return rewards, {"reward_s": 0.0, "reward_calls": len(texts)}
+
+
+@pytest.mark.parametrize("num_slots", [0, 4])
+def test_dynamic_sampling_with_slots_generates_only_the_missing_groups(tiny_model, num_slots):
+    """collect_batch with dynamic sampling: after a first batch keeps 3 of the 4 groups it needs,
+    the slot sampler generates ceil(1 / (3/4)) = 2 groups of the next prompt batch (and the reward
+    function sees only those), where the static sampler generates and scores all 4."""
+    from stare_jax.models import from_pretrained
+    from stare_jax.trainer import collect_batch
+
+    model_dir, _ = tiny_model
+    policy = from_pretrained(model_dir)
+    c = config_lib.default_config()
+    c.data.prompt_batch_size, c.rollout.group_size, c.rollout.max_new_tokens = 4, 4, 6
+    c.data.max_prompt_len, c.data.prompt_bucket_multiple = 5, 0
+    c.dynamic_sampling.enabled, c.rollout.slots = True, num_slots
+    rs = np.random.RandomState(0)
+
+    def prompt_batches():
+        while True:
+            yield {"prompt_ids": rs.randint(3, 20, (4, 5)).astype(np.int32), "prompt_mask": np.ones((4, 5), np.int32),
+                   "ground_truth": np.array(["1"] * 4)}
+
+    pool = _ScriptedPool([[1, 1, 0, 1], [1, 0, 0, 0]], group_size=4)
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    batch, metrics = collect_batch(c, policy.model, policy.tokenizer, prompt_batches(), pool, jax.random.key(0),
+                                   eos_ids=(), pad_id=PAD, mesh=mesh)
+    assert pool.scored == [16, 8 if num_slots else 16]
+    assert metrics["dynamic_sampling_gen_batches"] == 2 and batch["rewards"].shape == (16,)
+    assert metrics["dynamic_sampling_kept_frac"] == (4 / 6 if num_slots else 4 / 8)
+    assert (batch["response_mask"].sum(axis=1) == 6).all()  # every kept response was generated

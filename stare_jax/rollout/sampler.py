@@ -106,7 +106,8 @@ def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:
 def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_size: int, max_new_tokens: int,
              eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
              pad_id: int | None = None, mesh: Mesh | None = None,
-             decode_segments: int | None = None, slots: int = 0, stop_lengths=None) -> RolloutResult:
+             decode_segments: int | None = None, slots: int = 0, stop_lengths=None,
+             num_groups: int | None = None) -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -129,6 +130,9 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     at most `stop_lengths[r]` tokens as if by EOS: its last token is replaced by the first EOS id
     (when there is one) and it counts as finished, not truncated. Benchmarks and tests use it to
     set response lengths independently of the model.
+    `num_groups` (slots only; traced) generates only the first that many prompts' groups, the
+    rest come back empty (response mask 0): what dynamic sampling asks for when it needs only a
+    few more groups (`slots.slot_rollout`).
     """
     model = getattr(policy, "model", policy)
     if not isinstance(model, Decoder):
@@ -165,9 +169,15 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
         if not greedy:
             raise ValueError("rng is required unless greedy=True")
         rng = jax.random.key(0)
+    if num_groups is not None and not spec.slots:
+        raise ValueError("num_groups needs the slot sampler (slots > 0): the static batch decodes every row")
+    if num_groups is not None and not 0 <= int(num_groups) <= np.shape(prompt_ids)[0]:
+        raise ValueError(f"num_groups must be in [0, {np.shape(prompt_ids)[0]}], got {num_groups}")
     inputs = (jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), rng)
-    if stop_lengths is not None:
-        inputs = (*inputs, jnp.asarray(stop_lengths, jnp.int32))
+    if stop_lengths is not None or num_groups is not None:
+        inputs = (*inputs, None if stop_lengths is None else jnp.asarray(stop_lengths, jnp.int32))
+    if num_groups is not None:
+        inputs = (*inputs, jnp.int32(num_groups))
     if mesh is not None:
         inputs = jax.device_put(inputs, parallel.replicated(mesh))
     return _compiled_rollout(graphdef, spec)(state, *inputs)

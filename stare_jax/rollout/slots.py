@@ -85,11 +85,17 @@ trace_count = 0  # times `slot_rollout` has been traced (compiled)
 
 
 def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
-                 stop_lengths: jax.Array | None = None, *, spec: RolloutSpec, with_steps: bool = False):
+                 stop_lengths: jax.Array | None = None, num_groups: jax.Array | None = None, *,
+                 spec: RolloutSpec, with_steps: bool = False):
     """Pure slot-refilling rollout of `nnx.merge(graphdef, state)` with `spec.slots` decode slots:
     the `RolloutResult` of `sampler.grouped_rollout` for the same arguments (rows group by group),
     and with `with_steps` also the number of decode steps the loop ran (int32 scalar). Jit it with
-    `graphdef`, `spec` and `with_steps` static."""
+    `graphdef`, `spec` and `with_steps` static.
+
+    `num_groups` (int32 scalar, traced) generates only the first that many groups: the responses of
+    later groups never take a slot and come back empty (response mask 0, not truncated), so the
+    loop ends as soon as the wanted groups are complete; the generated ones are those of a full
+    rollout with the same key."""
     global trace_count
     trace_count += 1
     model: Decoder = nnx.merge(graphdef, state)
@@ -117,11 +123,12 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     first = choose_tokens(first_logits, None if uniforms is None else uniforms[0], spec.sampling)
     first, first_ends = finish_tokens(first, 0, stop, spec.eos_ids)
     first_logp = token_log_probs(first_logits, first)
-    single = first_ends | (R == 1)
-    ids = replicated(jnp.full((N, R), spec.pad_id, jnp.int32).at[:, 0].set(first))
-    logps = replicated(jnp.zeros((N, R), jnp.float32).at[:, 0].set(first_logp))
-    lengths = jnp.where(single, 1, 0).astype(jnp.int32)   # 0 while the response is unfinished
-    done = first_ends                                      # ended by EOS or stop length (not truncated)
+    wanted = jnp.ones((N,), bool) if num_groups is None else jnp.arange(N) // G < num_groups
+    single = first_ends | (R == 1) | ~wanted
+    ids = replicated(jnp.full((N, R), spec.pad_id, jnp.int32).at[:, 0].set(jnp.where(wanted, first, spec.pad_id)))
+    logps = replicated(jnp.zeros((N, R), jnp.float32).at[:, 0].set(jnp.where(wanted, first_logp, 0.0)))
+    lengths = jnp.where(single & wanted, 1, 0).astype(jnp.int32)  # 0 while unfinished (and for unwanted groups)
+    done = first_ends & wanted                                       # ended by EOS or stop length (not truncated)
     # Responses that need decode steps, in response order (padded with N).
     queue = jnp.nonzero(~single, size=N, fill_value=N)[0].astype(jnp.int32)
     pending = jnp.sum(~single).astype(jnp.int32)
@@ -197,7 +204,7 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     result = RolloutResult(tokens=rows(jnp.concatenate([repeat(prompt_ids), ids], axis=1)),
                            attention_mask=rows(jnp.concatenate([repeat(prompt_mask), mask], axis=1)),
                            response_ids=rows(ids), response_mask=rows(mask), log_probs=rows(logps),
-                           truncated=rows(~done), prompt_len=prompt_len)
+                           truncated=rows(~done & wanted), prompt_len=prompt_len)
     return (result, steps) if with_steps else result
 
 
