@@ -15,7 +15,10 @@ processes. See common.py for the protocol.
 The real-model workload (common.is_real) loads the pretrained directory with its own tokenizer,
 left-pads the chat-templated prompts, stops each response at the model's EOS ids, scores with
 `common.real_reward` and reports each response's length (`response_lens`) with the step, for the
-driver's FLOPs and roofline; `slots` > 0 runs the slot-refilling sampler (rollout.slots).
+driver's FLOPs and roofline; `slots` > 0 runs the slot-refilling sampler (rollout.slots) and
+`pack_tokens` > 0 the update on packed responses (ppo.pack_tokens; the batch arranged and the
+packed layout computed on the host, as the trainer does), reporting each step's capacity and the
+XLA compilations it triggered.
 """
 
 from __future__ import annotations
