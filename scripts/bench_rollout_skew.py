@@ -16,7 +16,14 @@ speed-up over static and the recorded length mix (seed, parameters, percentiles,
 p95/p5 ratio).
 
     python scripts/bench_rollout_skew.py [--batch 64] [--group-size 8] [--new-tokens 256]
-        [--slots 32[,16]] [--length-mix lognormal|fixed] [--repeats 5] [--model HF_DIR]
+        [--slots 32[,16]] [--static-rows 32[,16]] [--length-mix lognormal|fixed] [--repeats 5]
+        [--model HF_DIR]
+
+`--static-rows S` adds the static sampler run S rows at a time (S / G prompts per call, calls one
+after the other, each decoding until its own longest response ends): the same KV-cache memory as
+S slots, which is the comparison that matters when the batch does not fit on the device at once
+(many more responses than rows, as in evaluation or large RL batches). Its responses have the
+same lengths but are sampled with per-call keys, so they are not compared token for token.
 
 The default model is a random Qwen2-style decoder built in JAX (hidden 256, 4 layers, 4 heads /
 2 KV heads, vocab 1024, tied embeddings), the shape of `scripts/bench_rollout.py`; `--model`
@@ -89,6 +96,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32, help="padded prompt length")
     ap.add_argument("--slots", default="",
                     help="comma-separated slot counts (default: batch / 2 for lognormal, batch for fixed)")
+    ap.add_argument("--static-rows", default="",
+                    help="comma-separated row counts: the static sampler run that many rows at a time as well")
     ap.add_argument("--length-mix", choices=("lognormal", "fixed"), default="lognormal")
     ap.add_argument("--ratio", type=float, default=10.0, help="log-normal p95 / p5 length ratio")
     ap.add_argument("--p95", type=float, default=0.5, help="log-normal p95 length as a fraction of --new-tokens")
@@ -106,6 +115,9 @@ def main() -> None:
         args.batch if args.length_mix == "fixed" else max(1, args.batch // 2)]
     if min(slot_counts) < 1:
         ap.error("--slots must be positive")
+    static_rows = [int(s) for s in args.static_rows.split(",") if s]
+    if any(r < 1 or r % args.group_size or args.batch % r for r in static_rows):
+        ap.error("--static-rows: each must be a multiple of --group-size that divides --batch")
 
     from stare_jax import distributed, parallel
 
@@ -130,10 +142,21 @@ def main() -> None:
               stop_lengths=lengths.astype(np.int32), pad_id=0)
 
     def run(num_slots: int, seed: int):
+        if num_slots < 0:  # the static sampler, -num_slots rows per call
+            rows = -num_slots
+            p = rows // args.group_size
+            out = None
+            for c in range(args.batch // rows):
+                out = generate(policy, ids[c * p:(c + 1) * p], mask[c * p:(c + 1) * p],
+                               rng=jax.random.fold_in(jax.random.key(seed), c), slots=0,
+                               **dict(kw, stop_lengths=kw["stop_lengths"][c * rows:(c + 1) * rows]))
+            return jax.block_until_ready(out)
         out = generate(policy, ids, mask, rng=jax.random.key(seed), slots=num_slots, **kw)
         return jax.block_until_ready(out)
 
-    names = {0: "static", **{s: f"slots{s}" for s in slot_counts}}
+    names = {0: "static", **{-r: f"static_rows{r}" for r in static_rows}, **{s: f"slots{s}" for s in slot_counts}}
+    for r in static_rows:
+        run(-r, 0)  # warm-up (compilation at this row count)
     reference = run(0, 0)  # warm-up (compilation) and the responses every sampler must reproduce
     got_lengths = np.asarray(reference.response_mask).sum(axis=1)
     assert (got_lengths == lengths).all(), "stop_lengths did not set the response lengths"
@@ -167,17 +190,24 @@ def main() -> None:
     static_tps = useful / statistics.median(times[0])
     for s, name in names.items():
         median = statistics.median(times[s])
-        plan = slots.schedule(lengths, s or args.batch)
+        plan = slots.schedule(lengths, s if s > 0 else args.batch)
         entry = {"median_s": round(median, 4), "useful_tokens_per_s": round(useful / median, 1)}
         if s == 0:
             entry |= {"decode_steps": plan["static_decode_steps"], "rows": args.batch,
                       "idle_share": round(plan["static_idle_share"], 4)}
+        elif s < 0:
+            chunks = lengths.reshape(-1, -s)
+            steps = int((chunks.max(axis=1) - 1).sum())
+            entry |= {"decode_steps": steps, "rows": -s, "idle_share": round(1 - int((lengths - 1).sum()) / (steps * -s), 4),
+                      "speedup_vs_static": round(useful / median / static_tps, 3)}
         else:
             if plan["decode_steps"] != device_steps[s]:
                 raise AssertionError(f"schedule {plan['decode_steps']} != device {device_steps[s]} decode steps")
             entry |= {"decode_steps": plan["decode_steps"], "rows": min(s, args.batch),
                       "idle_share": round(plan["idle_share"], 4),
                       "speedup_vs_static": round(useful / median / static_tps, 3)}
+            if s in static_rows:  # the same rows in flight: the same KV-cache memory
+                entry["speedup_vs_static_same_rows"] = round(statistics.median(times[-s]) / median, 3)
         report[name] = entry
     report |= {"model": args.model or "random-qwen2-256x4", "dtype": args.dtype, "devices": jax.device_count(),
                "platform": jax.devices()[0].platform, "cpu_count": os.cpu_count(),

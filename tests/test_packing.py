@@ -88,7 +88,7 @@ def test_packed_update_equals_the_padded_update(mesh4, overrides):
         config = make_config(**overrides, **{"update.pack_tokens": pack})
         ts = fresh_state(config, mesh4, ref="loss.kl_type" in overrides)
         step = make_update_step(config, mesh4, ts)
-        packing = step.packing(batch["response_mask"])
+        packing = step.packing(batch)
         if pack:  # really packed: under each row block's grid of N / (micro-batches x 4) rows
             assert packing.shards == 4 and packing.capacity < N // (step.settings.num_micro * 4) * R
         ts, m = step(ts, parallel.shard_batch(batch, mesh4), jax.random.key(0), packing=packing)

@@ -434,8 +434,8 @@ class UpdateStep:
     `step.lower(state, batch, rng)` lowers it (arguments may be abstract `jax.ShapeDtypeStruct`s).
 
     With `update.pack_tokens` > 0 the step runs on packed responses (`models.packing`); the packed
-    capacity is part of the compiled shape and comes from the batch's response mask on the host
-    (`step.packing(mask)`), so a caller that holds the batch in host memory runs
+    capacity is part of the compiled shape and comes from the batch's masks on the host
+    (`step.packing(batch)`), so a caller that holds the batch in host memory runs
     `batch, packing = step.arrange(host_batch)` (which also evens out the shards' token counts)
     and passes `packing=packing`: the step then reads nothing back from the devices.
     """
@@ -464,13 +464,18 @@ class UpdateStep:
             raise KeyError(f"batch is missing {missing}; needs {list(BATCH_NDIMS)}")
         return {k: batch[k] for k in BATCH_NDIMS}
 
-    def packing(self, response_mask) -> Packing | None:
-        """The packed layout of a batch with this [N, R] response mask (None without packing):
-        capacity from `packing.packed_capacity` over the update's micro-batches and row blocks."""
+    def packing(self, batch: dict) -> Packing | None:
+        """The packed layout of a batch (None without packing): capacity from
+        `packing.packed_capacity` over the update's micro-batches and row blocks, counted on the
+        response part of the attention mask, as the device keeps it."""
         s = self.settings
         if not s.pack_tokens:
             return None
-        mask = parallel.to_host(response_mask)
+        R = np.shape(batch["response_mask"])[1]
+        return self._packing_of(parallel.to_host(batch["attention_mask"])[:, -R:])
+
+    def _packing_of(self, mask: np.ndarray) -> Packing:
+        s = self.settings
         shards = block_count(self.mesh, mask.shape[0] // s.num_micro)
         return Packing(packed_capacity(mask, shards=shards, multiple=s.pack_tokens, micro_batches=s.num_micro), shards)
 
@@ -482,22 +487,23 @@ class UpdateStep:
         s = self.settings
         if not s.pack_tokens:
             return batch, None
-        mask = np.asarray(batch["response_mask"])
+        R = np.shape(batch["response_mask"])[1]
+        mask = np.asarray(batch["attention_mask"])[:, -R:]
         order = balanced_group_order(mask, s.group_size, block_count(self.mesh, mask.shape[0]))
         if not np.array_equal(order, np.arange(len(order))):
             batch = {k: np.asarray(v)[order] for k, v in batch.items()}
-        return batch, self.packing(batch["response_mask"])
+        return batch, self.packing(batch)
 
     def full_packing(self, num_rows: int, response_len: int) -> Packing | None:
         """The largest packed layout of [num_rows, response_len] batches (every position kept)."""
         if not self.settings.pack_tokens:
             return None
-        return self.packing(np.ones((num_rows, response_len), np.int32))
+        return self._packing_of(np.ones((num_rows, response_len), np.int32))
 
     def apply(self, state, batch: dict, rng, packing: Packing | None = None) -> tuple[Any, dict]:
         """Pure form: (new state, metrics) from the pure train state."""
         if packing is None:
-            packing = self.packing(batch["response_mask"])
+            packing = self.packing(batch)
         return self.jitted(state, self._batch(batch), rng, packing)
 
     def lower(self, state, batch: dict, rng, packing: Packing | None = None):
