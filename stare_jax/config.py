@@ -177,6 +177,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval.top_p = 0.7
     c.eval.max_prompts = 128
     c.eval.at_start = False              # also evaluate the initial policy (eval/step_0.json) when a run starts
+    c.eval.slots = 0                     # > 0: slot-refilling sampler with this many slots (same responses as
+                                         #   the static batch; faster when lengths vary and responses >> slots)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1                     # -1: all devices not used by the other axes
@@ -319,6 +321,7 @@ SCHEMA: dict[str, Field] = {
     "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
     "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1), "eval.at_start": _BOOL,
+    "eval.slots": _int(0),
     "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.fsdp": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.tensor": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),

@@ -322,7 +322,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
                                   group_size=n,
                                   max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
                                   temperature=config.eval.temperature, top_p=config.eval.top_p, pad_id=pad_id,
-                                  mesh=mesh)
+                                  mesh=mesh, slots=config.eval.slots)
                 ids, mask = parallel.to_host(result.response_ids), parallel.to_host(result.response_mask)
                 own = parallel.local_slice(len(ids))
                 texts = decode_responses(tokenizer, ids[own], mask[own], eos_ids)

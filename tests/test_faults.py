@@ -114,6 +114,19 @@ def test_bit_flip_in_checkpoint_is_detected_and_every_entry_point_falls_back(fin
         comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
 
+def test_evaluation_with_slots_equals_the_static_evaluation(finished_run, tmp_path):
+    """`stare_jax.evaluate` with the slot-refilling sampler (eval.slots) writes the same results,
+    sampled responses included, as the run's own final evaluation with the static batch."""
+    workdir, *_ = finished_run
+    work = _copy(workdir, tmp_path)
+    reference = json.load(open(os.path.join(workdir, "eval", "step_4.json")))
+    r = _evaluate(work, "--config.eval.slots=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.load(open(os.path.join(work, "eval", "step_4.json")))
+    assert got["step"] == 4
+    assert got["results"] == reference["results"]
+
+
 def test_missing_manifest_falls_back_without_asyncio_noise(finished_run, tmp_path):
     workdir, overrides, *_ = finished_run
     work = _copy(workdir, tmp_path)
