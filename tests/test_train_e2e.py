@@ -100,12 +100,15 @@ def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
 @pytest.mark.parametrize("name, extra", [
     # with the quickstart's STARE on, a quadrant restriction, and the micro-batched update path
     ("hapo", {"loss.quadrants": "PHR,NHR", "ppo.grad_accum": 2}),
-    ("entropy_advantage", {}),
-    ("w_reinforce", {}),
+    # with the slot-refilling sampler (issue 20)
+    ("entropy_advantage", {"rollout.slots": 4}),
+    # with the update on packed responses (issue 20)
+    ("w_reinforce", {"ppo.pack_tokens": 64}),
 ])
 def test_polarity_entropy_methods_train_and_resume_bitwise_after_a_kill(tiny_model, tmp_path, name, extra):
     """Issue 18: each new method trains the quickstart config; a run SIGKILLed while saving step 4
-    resumes from step 2 and recomputes steps 2-3 bit for bit (rows compared with the killed process's)."""
+    resumes from step 2 and recomputes steps 2-3 bit for bit (rows compared with the killed process's).
+    The parametrisations also run issue 20's slot-refilling sampler and packed update."""
     model, data = tiny_model
     workdir = str(tmp_path / "run")
     overrides = tiny_overrides(model, data, **{"loss.name": name, "total_steps": 4, "checkpoint_every": 2, **extra})
@@ -125,6 +128,8 @@ def test_polarity_entropy_methods_train_and_resume_bitwise_after_a_kill(tiny_mod
         assert mass == pytest.approx(1.0, abs=1e-5) or (mass == 0 and name != "w_reinforce")
         if name == "hapo":
             assert row["pe_quad_plr_mass"] == 0 and row["pe_quad_nlr_mass"] == 0
+        if "ppo.pack_tokens" in extra:
+            assert 0 < row["packed_capacity"] <= 16 * 12 and row["packed_capacity"] % 64 == 0
 
 
 # ----------------------------------------------------------------------------- bad input, in process
