@@ -10,7 +10,7 @@ from stare_jax.compilation import CompilationCounter
 from stare_jax.models.packing import (balanced_group_order, gather_packed, kept_lengths, packed_capacity, packed_rows_and_columns,
                                       packed_token_index, scatter_packed)
 from stare_jax.rl import make_update_step
-from tests.test_rl_update import G, N, P_LEN, VOCAB, assert_trees_close, fresh_state, make_config, params_of
+from tests.test_rl_update import G, N, P_LEN, VOCAB, assert_trees_close, fresh_state, make_config, update_once
 
 R = 16
 LENGTHS = np.array([16, 3, 1, 9, 5, 16, 2, 11])
@@ -83,17 +83,11 @@ def test_packed_update_equals_the_padded_update(mesh4, overrides):
     padded grid (the single pass; several optimizer steps over micro-batches with a KL reference and
     one prompt per row), on a 4-shard mesh where every row block packs its own tokens."""
     batch = long_batch([13, 3, 1, 9, 5, 12, 2, 11])
-    results = []
-    for pack in (0, 1):
-        config = make_config(**overrides, **{"update.pack_tokens": pack})
-        ts = fresh_state(config, mesh4, ref="loss.kl_type" in overrides)
-        step = make_update_step(config, mesh4, ts)
-        packing = step.packing(batch)
-        if pack:  # really packed: under each row block's grid of N / (micro-batches x 4) rows
-            assert packing.shards == 4 and packing.capacity < N // (step.settings.num_micro * 4) * R
-        ts, m = step(ts, parallel.shard_batch(batch, mesh4), jax.random.key(0), packing=packing)
-        results.append(({k: float(v) for k, v in m.items()}, params_of(ts)))
-    (m_padded, p_padded), (m_packed, p_packed) = results
+    (_, m_padded, p_padded), (step, m_packed, p_packed) = (
+        update_once(make_config(**overrides, **{"update.pack_tokens": pack}), mesh4, batch,
+                    ref="loss.kl_type" in overrides) for pack in (0, 1))
+    packing = step.packing(batch)  # really packed: under each row block's grid of N / (micro-batches x 4) rows
+    assert packing.shards == 4 and packing.capacity < N // (step.settings.num_micro * 4) * R
     for k in m_padded:
         np.testing.assert_allclose(m_packed[k], m_padded[k], atol=2e-6, rtol=5e-5, err_msg=k)
     assert m_padded["loss"] != 0.0 and m_padded["grad_norm"] > 0.0

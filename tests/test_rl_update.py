@@ -68,6 +68,15 @@ def fresh_state(config, mesh, *, ref=False):
     return create_train_state(model, config, mesh=mesh, ref_model=ref_model)
 
 
+def update_once(config, mesh, batch, *, ref=False):
+    """One update step of a fresh train state on `batch` (packed as the step lays it out):
+    (step, metrics as floats, updated parameters)."""
+    ts = fresh_state(config, mesh, ref=ref)
+    step = make_update_step(config, mesh, ts)
+    ts, m = step(ts, parallel.shard_batch(batch, mesh), jax.random.key(0), packing=step.packing(batch))
+    return step, {k: float(v) for k, v in m.items()}, params_of(ts)
+
+
 def params_of(ts):
     return jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(nnx.state(ts.model, nnx.Param)))
 
@@ -275,13 +284,9 @@ def test_multi_epoch_minibatch_path_with_reference_kl(mesh8):
 def test_shared_prompt_forward_matches_the_full_batch_forward(mesh8, overrides):
     """update.share_prompt runs each group's prompt once (one shared prompt per G / K rows of a
     micro-batch); metrics and updated parameters equal those of the forward over every row."""
-    results = []
-    for share in (True, False):
-        config = make_config(**overrides, **{"update.share_prompt": share})
-        ts = fresh_state(config, mesh8, ref="loss.kl_type" in overrides)
-        ts, m = make_update_step(config, mesh8, ts)(ts, parallel.shard_batch(make_batch(), mesh8), jax.random.key(0))
-        results.append(({k: float(v) for k, v in m.items()}, params_of(ts)))
-    (m_shared, p_shared), (m_full, p_full) = results
+    (_, m_shared, p_shared), (_, m_full, p_full) = (
+        update_once(make_config(**overrides, **{"update.share_prompt": share}), mesh8, make_batch(),
+                    ref="loss.kl_type" in overrides) for share in (True, False))
     for k in m_full:
         np.testing.assert_allclose(m_shared[k], m_full[k], atol=2e-6, rtol=1e-5, err_msg=k)
     assert m_full["loss"] != 0.0 and m_full["grad_norm"] > 0.0

@@ -216,17 +216,12 @@ class Decoder(nnx.Module):
 
         x = self.constrain_batch(x)
 
-        def layer(x, scanned):
-            p, layer_cache = scanned
-            if self.fused_projections:
-                p = fuse_projections(p)
+        def layer(x, p, layer_cache):
             x, new_cache = _decoder_layer(cfg, self.dtype, p, x, cos, sin, bias, layer_cache, cache_index)
             return self.constrain_batch(x), new_cache
 
-        if self.remat:
-            layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-        x, new_cache = jax.lax.scan(layer, x, (self.layers.arrays(), cache), unroll=not self.scan_layers)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), new_cache
+        x, new_cache = self._run_layers(layer, x, cache)
+        return self._final_norm(x), new_cache
 
     def grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
                               response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -239,16 +234,8 @@ class Decoder(nnx.Module):
         response keys) and causally to their own tokens with `response_mask` 1. Returns
         (prompt hidden [B, P, D], response hidden [N, R, D]).
         """
-        parts = self._grouped_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-        embed, rope_p, rope_r, biases = parts
-
-        def layer(carry, p):
-            if self.fused_projections:
-                p = fuse_projections(p)
-            xp, xr = _grouped_decoder_layer(self.config, self.dtype, p, *carry, rope_p, rope_r, biases)
-            return (self.constrain_batch(xp), self.constrain_batch(xr)), None
-
-        xp, xr = self._run_layers(layer, (embed(prompt_ids), embed(response_ids)))
+        embed, rope_p, rope_r, biases = self._grouped_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+        xp, xr = self._run_grouped_layers(embed(prompt_ids), embed(response_ids), rope_p, rope_r, biases)
         return self._final_norm(xp), self._final_norm(xr)
 
     def packed_grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
@@ -270,15 +257,8 @@ class Decoder(nnx.Module):
         rope_c = tuple(self.constrain_batch(gather_packed(t, index)) for t in rope_r)
         grid = lambda t: self.constrain_batch(scatter_packed(t, index, N, R))  # noqa: E731
         packed = lambda t: self.constrain_batch(gather_packed(t, index))  # noqa: E731
-
-        def layer(carry, p):
-            if self.fused_projections:
-                p = fuse_projections(p)
-            xp, xc = _packed_grouped_decoder_layer(self.config, self.dtype, p, *carry, rope_p, rope_c, biases,
-                                                   grid, packed)
-            return (self.constrain_batch(xp), self.constrain_batch(xc)), None
-
-        xp, xc = self._run_layers(layer, (embed(prompt_ids), embed(gather_packed(response_ids, index))))
+        xp, xc = self._run_grouped_layers(embed(prompt_ids), embed(gather_packed(response_ids, index)), rope_p,
+                                          rope_c, biases, grid=grid, packed=packed)
         return self._final_norm(xp), self._final_norm(xc), index
 
     def _grouped_inputs(self, prompt_ids, prompt_mask, response_ids, response_mask):
@@ -301,12 +281,27 @@ class Decoder(nnx.Module):
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
         return embed, rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table), biases
 
-    def _run_layers(self, layer, carry):
-        """Scans `layer(carry, params)` over the stacked layers (rematerialised with `remat`)."""
+    def _run_layers(self, layer, carry, per_layer=None):
+        """Scans `layer(carry, params, per_layer_slice) -> (carry, out)` over the stacked layers
+        (params fused when `fused_projections`, each layer rematerialised with `remat`); returns
+        (carry, stacked outs)."""
+        def body(c, xs):
+            p, extra = xs
+            return layer(c, fuse_projections(p) if self.fused_projections else p, extra)
+
         if self.remat:
-            layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-        carry, _ = jax.lax.scan(layer, carry, self.layers.arrays(), unroll=not self.scan_layers)
-        return carry
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.lax.scan(body, carry, (self.layers.arrays(), per_layer), unroll=not self.scan_layers)
+
+    def _run_grouped_layers(self, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None):
+        """The grouped blocks over prompts xp and responses xr (grid [N, R, D] or, with `grid` /
+        `packed`, packed [S, C, D]); returns the last block's (xp, xr)."""
+        def layer(carry, p, _):
+            xp, xr = _grouped_decoder_layer(self.config, self.dtype, p, *carry, rope_p, rope_r, biases,
+                                            grid=grid, packed=packed)
+            return (self.constrain_batch(xp), self.constrain_batch(xr)), None
+
+        return self._run_layers(layer, (xp, xr))[0]
 
     def _final_norm(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
@@ -479,38 +474,26 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype) ->
     return jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
 
 
-def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases):
+def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None):
     """One pre-norm block over prompts xp [B, P, D] and the responses xr [N, R, D] of their groups
     (see `Decoder.grouped_hidden_states`); `biases` = additive masks (prompt-prompt [B,1,1,P,P],
     response-prompt [B, P], response-response [N, R, R]). The responses' attention is
-    `grouped_response_attention` (blockwise causal, hand-written backward)."""
+    `grouped_response_attention` (blockwise causal, hand-written backward).
+
+    Packed responses (`Decoder.packed_grouped_hidden_states`): xr [S, C, D] and rope_r hold the
+    kept tokens, `grid` scatters a packed [S, C, ...] array onto [N, R, ...] and `packed` gathers
+    it back; only the responses' attention then runs on the grid."""
+    grid = grid or (lambda t: t)
+    packed = packed or (lambda t: t)
     B, P_len, _ = xp.shape
-    N, R, _ = xr.shape
     H, hd = cfg.num_heads, cfg.head_dim
     bias_pp, bias_rp, bias_rr = biases
     qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
     qr, kr, vr = attention_inputs(cfg, dtype, p, xr, *rope_r)
     attn_p = _attend(qp, kp, vp, bias_pp, dtype)
-    attn_r = grouped_response_attention(qr, kp, vp, kr, vr, bias_rp, bias_rr)
-
-    xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
-    xr = attention_residual(p, xr, attn_r.reshape(N, R, H * hd), dtype)
-    return mlp_residual(cfg, p, xp, dtype), mlp_residual(cfg, p, xr, dtype)
-
-
-def _packed_grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xc, rope_p, rope_c, biases, grid, packed):
-    """`_grouped_decoder_layer` with the responses packed: xc [S, C, D] and rope_c hold the kept
-    response tokens; `grid` scatters a packed [S, C, ...] array onto [N, R, ...] and `packed`
-    gathers it back. Only the responses' attention runs on the grid."""
-    B, P_len, _ = xp.shape
-    H, hd = cfg.num_heads, cfg.head_dim
-    bias_pp, bias_rp, bias_rr = biases
-    qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
-    qc, kc, vc = attention_inputs(cfg, dtype, p, xc, *rope_c)
-    attn_p = _attend(qp, kp, vp, bias_pp, dtype)
-    attn_r = grouped_response_attention(grid(qc), kp, vp, grid(kc), grid(vc), bias_rp, bias_rr)
+    attn_r = grouped_response_attention(grid(qr), kp, vp, grid(kr), grid(vr), bias_rp, bias_rr)
     N, R = attn_r.shape[:2]
-    attn_c = packed(attn_r.reshape(N, R, H * hd))
+
     xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
-    xc = attention_residual(p, xc, attn_c, dtype)
-    return mlp_residual(cfg, p, xp, dtype), mlp_residual(cfg, p, xc, dtype)
+    xr = attention_residual(p, xr, packed(attn_r.reshape(N, R, H * hd)), dtype)
+    return mlp_residual(cfg, p, xp, dtype), mlp_residual(cfg, p, xr, dtype)

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stare_jax import parallel
+
 
 class Packing(NamedTuple):
     """The static layout of a packed forward: `shards` row blocks of `capacity` entries each."""
@@ -41,8 +43,6 @@ class Packing(NamedTuple):
 def block_count(mesh, rows: int) -> int:
     """Row blocks of a packed forward over `rows` rows on `mesh`: one per batch shard when the
     shards divide the rows, else 1 (the rows are then not split over the batch axes either)."""
-    from stare_jax import parallel
-
     shards = 1 if mesh is None else parallel.batch_divisor(mesh)
     return shards if rows % shards == 0 else 1
 

@@ -97,7 +97,7 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
     hold the same prompt columns), and each prompt runs through the decoder once
     (`Decoder.grouped_hidden_states`) instead of G times.
 
-    With `packing` (static; `UpdateStep.packing` of the response mask) the responses run packed
+    With `packing` (static; `UpdateStep.packing` of the batch) the responses run packed
     (`Decoder.packed_grouped_hidden_states`): the decoder and the vocabulary pass see only each
     row's tokens up to its last real one, and the statistics are scattered back onto [N, R] (zeros
     after each row's end).
@@ -111,7 +111,7 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
                                             vocab_chunk=vocab_chunk, with_pi2=with_pi2, temperature=temperature,
                                             group_size=group_size)
     if group_size > 1:
-        prompts = lambda x: x.reshape(N // group_size, group_size, L)[:, 0, :P_len]  # noqa: E731
+        prompts = functools.partial(_group_prompts, group_size=group_size, prompt_len=P_len)
         prompt_hidden, response_hidden = model.grouped_hidden_states(
             prompts(input_ids), prompts(attention_mask), input_ids[:, P_len:], attention_mask[:, P_len:])
         last_prompt = jnp.repeat(prompt_hidden[:, -1:], group_size, axis=0, total_repeat_length=N)
@@ -123,6 +123,12 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
 
 
+def _group_prompts(x: jax.Array, *, group_size: int, prompt_len: int) -> jax.Array:
+    """The prompt columns [B, P] of rows [N, P + R] that come in groups of `group_size` sharing one
+    prompt (each group's first row)."""
+    return x.reshape(x.shape[0] // group_size, group_size, x.shape[1])[:, 0, :prompt_len]
+
+
 def _packed_response_token_stats(model, input_ids, attention_mask, response_len: int, packing: Packing, *,
                                  vocab_chunk: int, with_pi2: bool, temperature: float, group_size: int) -> TokenStats:
     """`response_token_stats` on packed responses. The token at packed entry j (row r, column c) is
@@ -130,7 +136,7 @@ def _packed_response_token_stats(model, input_ids, attention_mask, response_len:
     a prefix of each row, packed row-major) or, at c = 0, by the last prompt position of r's group."""
     N, L = input_ids.shape
     R, P_len = response_len, L - response_len
-    prompts = lambda x: x.reshape(N // group_size, group_size, L)[:, 0, :P_len]  # noqa: E731
+    prompts = functools.partial(_group_prompts, group_size=group_size, prompt_len=P_len)
     responses = input_ids[:, P_len:]
     prompt_hidden, packed_hidden, index = model.packed_grouped_hidden_states(
         prompts(input_ids), prompts(attention_mask), responses, attention_mask[:, P_len:], packing)
