@@ -47,7 +47,10 @@ its own rollout time, and the update's model FLOPs count the tokens actually gen
 `--slots N` runs stare-jax's slot-refilling sampler (rollout.slots) instead of the static batch.
 `--pack-tokens M` sets stare-jax's `ppo.pack_tokens` (the update on packed responses, capacity
 rounded up to M tokens a device); default 1024 on the real-model workload, 0 on the synthetic ones
-(their responses all have the same length, so there is nothing to pack).
+(their responses all have the same length, so there is nothing to pack). The real-model workload
+rematerialises stare-jax's layers (as TRL's gradient checkpointing); `--remat-saves` picks what each
+keeps for the backward (model.remat_saves; default nothing: "projections" measured no faster on
+the Intel Xeon, see docs/performance.md).
 
 Roofline (`roofline` in the JSON, computed from the workload's shape and the measured peaks):
     update_floor_s = update model FLOPs / matmul peak; update_vs_floor = median update / floor
@@ -264,6 +267,9 @@ def main() -> None:
                     help="stare-jax: slot-refilling rollouts with this many decode slots (0: static batch)")
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="stare-jax: ppo.pack_tokens (default 1024 with --model, 0 otherwise; 0 = padded update)")
+    ap.add_argument("--remat-saves", choices=("nothing", "projections"), default="nothing",
+                    help="stare-jax on the real-model workload (which rematerialises its layers): model.remat_saves, "
+                         "what each layer keeps for the backward (default nothing: the whole layer is recomputed)")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
@@ -304,7 +310,8 @@ def main() -> None:
                            check=True, stdout=subprocess.DEVNULL)
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
-                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens))]
+                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens,
+                      remat_saves=args.remat_saves))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -345,7 +352,7 @@ def main() -> None:
                       response_length_mean={n: round(statistics.mean(st["tokens"] for st in wk.steps)
                                                      / (workload["num_prompts"] * workload["group_size"]), 1)
                                             for n, wk in zip([w.name for w in workers], workers)},
-                      slots=args.slots, pack_tokens=args.pack_tokens)
+                      slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
                   steps=args.steps, dtype=args.dtype,
                   device=ours.get("device", "cpu"),

@@ -49,6 +49,7 @@ TODELETE = "todelete"
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
+                     "model.remat", "model.remat_saves",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
@@ -58,7 +59,9 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               "loss.hapo_alpha": 0.2, "loss.hapo_phi": 2.0, "loss.entropy_adv_alpha": 0.4,
               "loss.entropy_adv_kappa": 2.0, "loss.w_reinforce_lambda": 0.1, "loss.quadrants": "",
               # slot-refilling rollouts (issue 20): 0 is the static batch every earlier run used
-              "rollout.slots": 0}
+              "rollout.slots": 0,
+              # what a rematerialised layer keeps (issue 20): "nothing" is the whole-layer remat of before
+              "model.remat_saves": "nothing"}
 
 
 DIGEST_ALGORITHM = "u32-wsum-mix-v1"

@@ -59,6 +59,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"      # parameter / optimizer dtype: float32 | bfloat16
     c.model.remat = False                # rematerialise each layer in the backward pass
+    c.model.remat_saves = "nothing"      # what a rematerialised layer keeps: nothing (recompute it all) |
+                                         #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
     c.model.vocab_chunk = 8192           # vocabulary chunk of the log-softmax / entropy pass
@@ -274,7 +276,8 @@ SCHEMA: dict[str, Field] = {
     "seed": _int(0), "total_steps": _int(1), "checkpoint_every": _int(1), "keep_checkpoints": _int(1),
     "log_every": _int(1), "test_freq": _int(0),
     "model.path": _STR, "model.preset": _STR, "model.dtype": _choice("float32", "bfloat16"),
-    "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL, "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
+    "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL,
+    "model.remat_saves": _choice("nothing", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

@@ -180,7 +180,8 @@ def abstract_train_state(config, cfg, mesh=None):
     def make_model():
         """The policy as the trainer builds it (dtype, parameter dtype, remat)."""
         return Decoder(cfg, dtype=DTYPES[config.model.dtype], param_dtype=DTYPES[config.model.param_dtype],
-                       remat=config.model.remat, scan_layers=config.model.scan_layers, mesh=mesh, rngs=nnx.Rngs(0))
+                       remat=config.model.remat, remat_saves=config.model.remat_saves,
+                       scan_layers=config.model.scan_layers, mesh=mesh, rngs=nnx.Rngs(0))
 
     def make():
         """The train state as `create_train_state` builds it."""
@@ -430,7 +431,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     say(f"dry run: {args.config}  ({source}: {cfg.architecture}, {num_parameters(cfg) / 1e9:.2f}B parameters)")
     say(f"  devices {args.devices} x {args.chip} ({hbm / GIB:.0f} GiB each), mesh "
         + " x ".join(f"{a}={mesh.shape[a]}" for a in parallel.MESH_AXES)
-        + f", dtype {config.model.dtype} / params {config.model.param_dtype}, remat {config.model.remat}")
+        + f", dtype {config.model.dtype} / params {config.model.param_dtype}, remat {config.model.remat}"
+        + (f" (saves {config.model.remat_saves})" if config.model.remat else ""))
     say(f"  step: {B} prompts x {G} responses = {B * G} rows, prompt {P} + response {R} tokens; "
         f"{B * G // shards} rows per batch shard, update in {K} micro-batch(es) of {B * G // K // shards} rows "
         f"per shard")
@@ -453,7 +455,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         "mesh": {a: int(mesh.shape[a]) for a in parallel.MESH_AXES},
         "shape": {"prompts": B, "group_size": G, "rows": B * G, "prompt_len": P, "response_len": R,
                   "micro_batches": K, "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
-                  "remat": bool(config.model.remat)},
+                  "remat": bool(config.model.remat), "remat_saves": config.model.remat_saves},
         "state_bytes_per_device": {**parts, "total": state_total},
     }
     phases: dict[str, dict] = {}

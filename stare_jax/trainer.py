@@ -38,7 +38,7 @@ def prepare_policy(config, workdir: str, mesh) -> Policy:
     by `warmstart.steps` of supervised training on reference answers) in `WORKDIR/model` on first
     use and reused afterwards."""
     kw = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, mesh=mesh, remat=config.model.remat,
-              scan_layers=config.model.scan_layers)
+              remat_saves=config.model.remat_saves, scan_layers=config.model.scan_layers)
     return from_pretrained(model_directory(config, workdir), **kw)
 
 

@@ -114,6 +114,35 @@ def test_unrolled_layers_and_explicit_matmul_gradient_match(tiny_checkpoints):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_remat_policies_give_the_same_gradients_and_projections_are_not_recomputed(tiny_checkpoints):
+    """Rematerialised layers give the plain model's gradients under both `remat_saves` policies;
+    "nothing" repeats every matmul of the layer in the backward, "projections" only attention's
+    two (scores and the weighted sum of values), counted in the lowered program."""
+    import re
+
+    from flax import nnx
+
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(9, 5, 2), seed=1)
+    loss = lambda m: (m(ids, mask) * mask[..., None]).sum()  # noqa: E731
+
+    def grads_and_matmuls(**kw):
+        model = from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False, **kw).model
+        graphdef, state = nnx.split(model)
+        grad = jax.jit(jax.grad(lambda s: loss(nnx.merge(graphdef, s))))
+        matmuls = len(re.findall(r"stablehlo.dot_general", grad.lower(state).as_text()))
+        return jax.tree.leaves(nnx.state(nnx.grad(loss)(model), nnx.Param)), matmuls
+
+    plain, n_plain = grads_and_matmuls()
+    whole, n_whole = grads_and_matmuls(remat=True)
+    saved, n_saved = grads_and_matmuls(remat=True, remat_saves="projections")
+    assert n_saved == n_plain + 2 < n_whole
+    for a, b, c in zip(plain, whole, saved):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="remat_saves"):
+        from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False, remat=True, remat_saves="dots")
+
+
 def test_rope_table_rows_equal_the_direct_angles(tiny_checkpoints):
     """`rope_angles` read from a `rope_table` gives bitwise the angles computed from the positions
     (the table is an optimisation), under jit, for each family's RoPE scaling."""

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
@@ -27,6 +27,15 @@ from stare_jax.models.packing import Packing, gather_packed, packed_token_index,
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
 _MASK_VALUE = -1e30
+
+# What a rematerialised layer keeps from its forward pass for the backward (`model.remat_saves`):
+# "nothing" recomputes the whole layer (one extra forward, least memory); "projections" keeps the
+# outputs of its matmuls (q/k/v, o, gate/up, down: ~5k values per token per layer for a 135M
+# model) and recomputes only the norms, RoPE, SwiGLU and attention from them, so the backward
+# repeats no matmul of the projections.
+PROJECTION = "projection"
+REMAT_SAVES = {"nothing": jax.checkpoint_policies.nothing_saveable,
+               "projections": jax.checkpoint_policies.save_only_these_names(PROJECTION)}
 
 LAYER_PARAM_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
                      "mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
@@ -147,10 +156,14 @@ class Decoder(nnx.Module):
     """Causal LM: token ids -> float32 logits, with an optional preallocated KV cache."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                 remat: bool = False, scan_layers: bool = True, mesh: Mesh | None = None, rngs: nnx.Rngs):
+                 remat: bool = False, remat_saves: str = "nothing", scan_layers: bool = True,
+                 mesh: Mesh | None = None, rngs: nnx.Rngs):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.remat = remat
+        if remat_saves not in REMAT_SAVES:
+            raise ValueError(f"remat_saves must be one of {sorted(REMAT_SAVES)}, got {remat_saves!r}")
+        self.remat_saves = remat_saves
         # scan_layers=False unrolls the layer loop: longer compiles, but no per-layer slicing and
         # stacking of weights and saved activations (about 15% faster fwd+bwd for small models on CPU).
         self.scan_layers = scan_layers
@@ -283,14 +296,14 @@ class Decoder(nnx.Module):
 
     def _run_layers(self, layer, carry, per_layer=None):
         """Scans `layer(carry, params, per_layer_slice) -> (carry, out)` over the stacked layers
-        (params fused when `fused_projections`, each layer rematerialised with `remat`); returns
-        (carry, stacked outs)."""
+        (params fused when `fused_projections`, each layer rematerialised with `remat`, keeping what
+        `REMAT_SAVES[remat_saves]` saves); returns (carry, stacked outs)."""
         def body(c, xs):
             p, extra = xs
             return layer(c, fuse_projections(p) if self.fused_projections else p, extra)
 
         if self.remat:
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+            body = jax.checkpoint(body, policy=REMAT_SAVES[self.remat_saves])
         return jax.lax.scan(body, carry, (self.layers.arrays(), per_layer), unroll=not self.scan_layers)
 
     def _run_grouped_layers(self, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None):
@@ -354,9 +367,10 @@ dense_bias.defvjp(_dense_bias_fwd, _dense_bias_bwd)
 
 
 def project(h: jax.Array, w: jax.Array, b: jax.Array | None, dtype) -> jax.Array:
-    """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype`."""
+    """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype` (named
+    PROJECTION for the rematerialisation policy `remat_saves="projections"`)."""
     y = dense(h, w.astype(dtype)) if b is None else dense_bias(h, w.astype(dtype), b)
-    return y.astype(dtype)
+    return checkpoint_name(y.astype(dtype), PROJECTION)
 
 
 def fuse_projections(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
