@@ -45,11 +45,13 @@ def sampled_reference(policies):
     return ref
 
 
-# Fewer slots than responses (1 and 5), as many (12), and more (clamped to 12).
-@pytest.mark.parametrize("num_slots", [1, 5, 12, 40])
-def test_sampled_slots_equal_static(policies, sampled_reference, num_slots):
+# Fewer slots than responses (1 and 5), as many (12), and more (clamped to 12); the decode loop
+# split into blocks of columns (13 columns: 1, 3, 4 and 2 blocks).
+@pytest.mark.parametrize("num_slots,segments", [(1, 1), (5, 3), (12, 4), (40, 2)])
+def test_sampled_slots_equal_static(policies, sampled_reference, num_slots, segments):
     ids, mask = prompts()
-    got = generate(policies["qwen2"], ids, mask, rng=jax.random.key(3), slots=num_slots, **SAMPLED)
+    got = generate(policies["qwen2"], ids, mask, rng=jax.random.key(3), slots=num_slots, decode_segments=segments,
+                   **SAMPLED)
     assert_same_rollout(got, sampled_reference)
 
 

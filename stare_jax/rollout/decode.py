@@ -77,60 +77,85 @@ def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: Prom
     """Logits [N, V] (float32) for one new token per row, and the response block holding its keys.
 
     tokens, positions: [N] (RoPE position of each new token). The new key/value goes into slot
-    `slot` of the current response block (`response`, per layer); the token attends to its
-    prompt, to every slot of the earlier, full blocks `past[layer]` and to slots 0..slot of
-    the current block. `rope`: a `rope_table` covering every position (read, not recomputed).
-
-    `slot` is one index for all rows (the grouped sampler, whose rows advance in lockstep) or an
-    int [N] array of one index per row (the slot-refilling sampler, whose rows are at different
-    steps of different responses; `prompt` then holds one prompt per row, B = N).
+    `slot` (one index for all rows, which advance in lockstep) of the current response block
+    (`response`, per layer); the token attends to its prompt, to every slot of the earlier, full
+    blocks `past[layer]` and to slots 0..slot of the current block. `rope`: a `rope_table` covering
+    every position (read, not recomputed).
     """
+    length = response[0][1].shape[2]
+    bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
+    past = past or [[] for _ in layers]
+
+    def write(k, v, response_kv, past_kv):
+        k_cache = jax.lax.dynamic_update_slice(response_kv[0], k, (0, 0, 0, slot))
+        v_cache = jax.lax.dynamic_update_slice(response_kv[1], v, (0, 0, slot, 0))
+        return (k_cache, v_cache), [*past_kv, (k_cache, v_cache)], [None] * len(past_kv) + [bias]
+
+    return _decode(model, layers, prompt, list(zip(response, past)), tokens, positions, rope, write)
+
+
+def decode_step_rows(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
+                     blocks: list[list[LayerKV]], starts: tuple[int, ...], tokens: jax.Array, positions: jax.Array,
+                     columns: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None
+                     ) -> tuple[jax.Array, list[list[LayerKV]]]:
+    """`decode_step` for rows at different steps of different responses (the slot-refilling
+    sampler): `prompt` holds one prompt per row (B = N), and row n writes its new key/value at its
+    own response column `columns[n]` and attends to its columns 0..columns[n].
+
+    The response columns are split into blocks (`blocks[layer]`, a list of (k, v) blocks, block i
+    covering columns starts[i] .. starts[i] + its size - 1): each row writes into the block holding
+    its column (a scatter of N columns per block, rows of other blocks dropped, in place inside the
+    decode loop), and attention reads only the blocks given, so a loop whose rows all sit in the
+    first blocks does not read the rest. Returns the logits and the updated blocks.
+    """
+    N = tokens.shape[0]
+    rows = jnp.arange(N)
+    sizes = [kv[1].shape[2] for kv in blocks[0]]
+    inside = [(columns >= a) & (columns < a + n) for a, n in zip(starts, sizes)]
+    local = [jnp.clip(columns - a, 0, n - 1) for a, n in zip(starts, sizes)]
+    biases = [jnp.where(a + jnp.arange(n)[None, :] <= columns[:, None], 0.0,
+                        _MASK_VALUE).astype(jnp.float32)[:, None, None, :] for a, n in zip(starts, sizes)]
+
+    def write(k, v, layer_blocks, _):
+        new = []
+        for (k_block, v_block), hit, col in zip(layer_blocks, inside, local):
+            row = jnp.where(hit, rows, N)  # N: a dropped write
+            new.append((k_block.at[row, :, :, col].set(k[..., 0], mode="drop"),
+                        v_block.at[row, :, col, :].set(v[:, :, 0], mode="drop")))
+        return new, new, biases
+
+    return _decode(model, layers, prompt, [(b, None) for b in blocks], tokens, positions, rope, write)
+
+
+def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positions, rope, write):
+    """The decoder over one new token per row. Per layer, `write(k [N, K, hd, 1], v [N, K, 1, hd],
+    *caches[layer])` stores the new key/value and returns (the layer's new cache, the response
+    blocks to attend to, their attention biases (None: unmasked)). Returns (logits [N, V] float32,
+    the new caches)."""
     cfg, dtype = model.config, model.dtype
     x = jnp.take(model.embed[...], tokens, axis=0).astype(dtype)                      # [N, D]
     cos, sin = rope_angles(cfg, positions[:, None], rope)                                 # [N, 1, hd/2]
-    length = response[0][1].shape[2]
-    if jnp.ndim(slot) == 0:
-        response_bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
-    else:  # [N, 1, 1, S]: each row sees its own response so far
-        response_bias = jnp.where(jnp.arange(length)[None, :] <= slot[:, None], 0.0,
-                                  _MASK_VALUE).astype(jnp.float32)[:, None, None, :]
-    new_response = []
-    past = past or [[] for _ in layers]
-    for p, prompt_kv, response_kv, past_kv in zip(layers, prompt.layers, response, past):
-        x, response_kv = _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt.bias, response_kv, response_bias, slot,
-                                past_kv)
-        new_response.append(response_kv)
-    return model.logits(rms_norm(x, model.final_norm[...], cfg.rms_norm_eps)), new_response
-
-
-def _layer(cfg, dtype, p, x, cos, sin, prompt_kv, prompt_bias, response_kv, response_bias, slot, past_kv=()):
-    """One pre-norm block for x [N, D]; returns the new residual stream and the layer's response (k, v)."""
     N = x.shape[0]
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = attention_inputs(cfg, dtype, p, x[:, None, :], cos, sin)   # [N, 1, H|K, hd]
-    q = q.reshape(N, K, H // K, hd)
-    k = k.transpose(0, 2, 3, 1)                                           # [N, K, hd, 1]
-    v = v.transpose(0, 2, 1, 3)                                           # [N, K, 1, hd]
-    if jnp.ndim(slot) == 0:
-        k_cache = jax.lax.dynamic_update_slice(response_kv[0], k.astype(dtype), (0, 0, 0, slot))
-        v_cache = jax.lax.dynamic_update_slice(response_kv[1], v.astype(dtype), (0, 0, slot, 0))
-    else:  # one slot per row: a scatter of N [K, hd] columns, in place inside the decode loop
-        rows = jnp.arange(N)
-        k_cache = response_kv[0].at[rows, :, :, slot].set(k[..., 0].astype(dtype), mode="promise_in_bounds")
-        v_cache = response_kv[1].at[rows, :, slot, :].set(v[:, :, 0].astype(dtype), mode="promise_in_bounds")
-    attn = _grouped_attention(q, prompt_kv, prompt_bias, (k_cache, v_cache), response_bias, dtype, past_kv)
-    x = attention_residual(p, x, attn.reshape(N, H * hd), dtype)
-    return mlp_residual(cfg, p, x, dtype), (k_cache, v_cache)
+    new_caches = []
+    for p, prompt_kv, cache in zip(layers, prompt.layers, caches):
+        q, k, v = attention_inputs(cfg, dtype, p, x[:, None, :], cos, sin)   # [N, 1, H|K, hd]
+        cache, blocks, biases = write(k.transpose(0, 2, 3, 1).astype(dtype), v.transpose(0, 2, 1, 3).astype(dtype),
+                                      *cache)
+        attn = _grouped_attention(q.reshape(N, K, H // K, hd), prompt_kv, prompt.bias, blocks, biases, dtype)
+        x = mlp_residual(cfg, p, attention_residual(p, x, attn.reshape(N, H * hd), dtype), dtype)
+        new_caches.append(cache)
+    return model.logits(rms_norm(x, model.final_norm[...], cfg.rms_norm_eps)), new_caches
 
 
-def _grouped_attention(q, prompt_kv, prompt_bias, response_kv, response_bias, dtype, past_kv=()):
-    """softmax(q.[k_prompt; k_past; k_response] / sqrt(hd) + bias) . [v_prompt; v_past; v_response],
+def _grouped_attention(q, prompt_kv, prompt_bias, blocks, biases, dtype):
+    """softmax(q.[k_prompt; k_block 0; k_block 1; ...] / sqrt(hd) + bias) . [v_prompt; v_block 0; ...],
     float32 [N, K, Q, hd].
 
     q: [N, K, Q, hd] (Q query heads per KV head); prompt k/v: [B, K, P, hd], shared by the
-    G = N/B consecutive rows of a group; response blocks (the current one, and the full earlier
-    ones in `past_kv`, all unmasked): k [N, K, hd, S] and v [N, K, S, hd]. All parts share one
-    softmax: a common max, and a common normaliser applied at the end.
+    G = N/B consecutive rows of a group; response blocks k [N, K, hd, S_j] and v [N, K, S_j, hd],
+    each with its additive bias in `biases` (None: unmasked). All parts share one softmax: a
+    common max, and a common normaliser applied at the end.
     """
     N, K, Q, hd = q.shape
     B = prompt_kv[0].shape[0]
@@ -142,9 +167,8 @@ def _grouped_attention(q, prompt_kv, prompt_bias, response_kv, response_bias, dt
 
     prompt_scores = jnp.einsum("bkmd,bksd->bkms", to_groups(q), prompt_kv[0], preferred_element_type=jnp.float32)
     prompt_scores = prompt_scores * scale + prompt_bias                                  # [B, K, G*Q, P]
-    blocks = [*past_kv, response_kv]
     scores = [jnp.einsum("nkqd,nkds->nkqs", q, k, preferred_element_type=jnp.float32) * scale for k, _ in blocks]
-    scores[-1] = scores[-1] + response_bias                                               # [N, K, Q, S_j]
+    scores = [s if b is None else s + b for s, b in zip(scores, biases)]                 # [N, K, Q, S_j]
     top = to_rows(prompt_scores.max(axis=-1, keepdims=True))
     for s in scores:
         top = jnp.maximum(top, s.max(axis=-1, keepdims=True))

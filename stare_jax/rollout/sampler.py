@@ -125,7 +125,8 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     `slots=S > 0` decodes with S slots that are refilled with the next pending response as soon
     as theirs ends (`stare_jax.rollout.slots`; at most B*G are used) instead of B*G rows in
     lockstep until the longest response ends: the same responses for the same key (randomness
-    belongs to the response, not the slot), in the same layout; `decode_segments` does not apply.
+    belongs to the response, not the slot), in the same layout; `decode_segments` splits its loop
+    too (by the busy slots' furthest position, see `slots.slot_rollout`).
     `stop_lengths` (int [B*G], optional, traced: new values do not recompile) ends response r after
     at most `stop_lengths[r]` tokens as if by EOS: its last token is replaced by the first EOS id
     (when there is one) and it counts as finished, not truncated. Benchmarks and tests use it to
@@ -158,7 +159,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
                          f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
     rows = np.shape(prompt_ids)[0] * spec.group_size
     if slots:
-        spec = dataclasses.replace(spec, slots=min(int(slots), rows), decode_segments=1)
+        spec = dataclasses.replace(spec, slots=min(int(slots), rows))
     if stop_lengths is not None and np.shape(stop_lengths) != (rows,):
         raise ValueError(f"stop_lengths must have one entry per response, shape ({rows},), got "
                          f"{np.shape(stop_lengths)}")

@@ -45,12 +45,15 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   with zero trips, against 1.1x without it; a masked select over all slots under a `cond`
   rewrites S*P keys per refill step, tens of ms per step at real-model size.
 * The response cache is [S, K, hd, R] / [S, K, R, hd] per layer (the static layout, one row per
-  slot); the new key/value of each slot is scattered into its own column, and a per-slot mask
-  hides columns beyond the slot's position, so a refilled slot needs no zeroing: stale columns of
-  the previous response are masked until overwritten. Unlike the static sampler the loop reads
-  the whole R columns every step (slots are at different positions, so `decode_segments` does
-  not apply): a cost the static sampler also pays once its longest response passes the last
-  block boundary.
+  slot), split into `decode_segments` blocks of columns as the static sampler's; the new
+  key/value of each slot is scattered into its own column of the block holding it, and a
+  per-slot mask hides columns beyond the slot's position, so a refilled slot needs no zeroing:
+  stale columns of the previous response are masked until overwritten. One while loop per block:
+  the loop of block j runs while every busy slot's position lies in blocks 0..j and reads those
+  only. Slots sit at different positions, so this is coarser than for the static batch: once one
+  response passes a boundary, the later loops read the wider prefix even after refills restart
+  slots at column 0 (on equal lengths it reads what the static sampler reads; measured in
+  docs/performance.md).
 * Bookkeeping per step is O(S) integer work on device: which slots ended, a cumsum that hands the
   free slots the next entries of a queue of pending responses, the per-slot gather of uniforms
   (uniforms[t_s, r_s]) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
@@ -75,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 from stare_jax import parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout import sampler
-from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
+from stare_jax.rollout.decode import PromptCache, decode_step_rows, empty_response_cache, layer_params, prompt_cache
 from stare_jax.rollout.sampler import RolloutResult, RolloutSpec, finish_tokens
 from stare_jax.rollout.sampling import choose_tokens, token_log_probs
 
@@ -164,14 +167,18 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     (resp, t, token, plen, next_q), _, source = assign(idle, ones, zeros, zeros, jnp.int32(0), S)
     slot_prompt = PromptCache([(slot_kv(pk[source]), slot_kv(pv[source])) for pk, pv in prompt.layers],
                               slot_rows(prompt.bias[source]))
-    response = [tuple(map(slot_kv, layer)) for layer in empty_response_cache(model, S, R)]
+    bounds = sampler.segment_bounds(R, spec.decode_segments)
+    starts = tuple(a for a, _ in bounds)
+    empty = [empty_response_cache(model, S, end - start) for start, end in bounds]   # [block][layer]
+    blocks = [[tuple(map(slot_kv, block[i])) for block in empty] for i in range(model.config.num_layers)]
     layers = layer_params(model)
     rope = rope_table(model.config, prompt_len + R)
 
-    def step(c):
-        """One decode step of every slot: feed its last token, choose the next one of its
-        response, record it, end finished responses and refill their slots."""
-        (resp, t, token, plen, next_q), (slot_prompt, dst, src), response, (ids, logps, lengths, done), steps = c
+    def step(c, used: int):
+        """One decode step of every slot (its response's columns in the first `used` blocks): feed
+        its last token, choose the next one of its response, record it, end finished responses
+        and refill their slots."""
+        (resp, t, token, plen, next_q), (slot_prompt, dst, src), blocks, (ids, logps, lengths, done), steps = c
         # The previous step's refills, written first so that the update happens in place (a write
         # after this step's reads made XLA copy the slot caches every step).
         slot_prompt = copy_prompts(slot_prompt, dst, src)
@@ -179,8 +186,8 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         r = jnp.minimum(resp, N - 1)
         index = jnp.minimum(t, R - 1)                    # the token being chosen (t >= 1 when busy)
         # Feed token t-1 at cache column t-1 (idle slots compute on whatever they hold; unrecorded).
-        logits, response = decode_step(model, layers, slot_prompt, response, token, plen + t - 1,
-                                       jnp.clip(t - 1, 0, R - 1), rope=rope)
+        logits, blocks = decode_step_rows(model, layers, slot_prompt, blocks, starts[:used], token, plen + t - 1,
+                                          jnp.clip(t - 1, 0, R - 1), rope=rope)
         new = choose_tokens(logits, None if uniforms is None else uniforms[index, r], spec.sampling)
         new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
         logp = token_log_probs(logits, new)
@@ -191,12 +198,38 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         lengths = lengths.at[jnp.where(ended, resp, N)].set(index + 1, mode="drop")
         done = done.at[jnp.where(busy & ends, resp, N)].set(True, mode="drop")
         slots, take, source = assign(jnp.where(ended, N, resp), t + 1, new, plen, next_q, lanes)
-        return slots, (slot_prompt,) + refills(take, source), response, (ids, logps, lengths, done), steps + 1
+        return slots, (slot_prompt,) + refills(take, source), blocks, (ids, logps, lengths, done), steps + 1
 
+    def furthest(c):
+        """The furthest column a busy slot writes next (-1 when none is busy)."""
+        resp, t = c[0][0], c[0][1]
+        return jnp.max(jnp.where(resp < N, t - 1, -1))
+
+    def in_block(c, j: int):
+        """Loop j goes on while some slot is busy and the furthest lies in block j, or below it
+        for the first loop (after refills every busy slot may be back at lower columns: the
+        block loops then start over from the first, `sweep`)."""
+        col = furthest(c)
+        start, end = bounds[j]
+        return (col >= 0) & (col < end) & ((col >= start) | (j == 0))
+
+    def sweep(carry):
+        """Runs the block loops in order: loop j reads blocks 0..j only."""
+        for j in range(len(bounds)):
+            used = j + 1
+            rest = [layer[used:] for layer in carry[2]]
+            inner = (*carry[:2], [layer[:used] for layer in carry[2]], *carry[3:])
+            inner = jax.lax.while_loop(lambda c, j=j: in_block(c, j), lambda c, used=used: step(c, used), inner)
+            carry = (*inner[:2], [a + b for a, b in zip(inner[2], rest)], *inner[3:])
+        return carry
+
+    # One loop per block of columns, as the static sampler's `decode_segments`, inside a loop that
+    # starts over from the first block whenever the busy slots' furthest column falls below the
+    # current block (refills restart slots at column 0).
     no_refill = (jnp.full((lanes,), S, jnp.int32), jnp.zeros((lanes,), jnp.int32))
-    carry = ((resp, t, token, plen, next_q), (slot_prompt,) + no_refill, response, (ids, logps, lengths, done),
+    carry = ((resp, t, token, plen, next_q), (slot_prompt,) + no_refill, blocks, (ids, logps, lengths, done),
              jnp.int32(0))
-    carry = jax.lax.while_loop(lambda c: jnp.any(c[0][0] < N), step, carry)
+    carry = sweep(carry) if len(bounds) == 1 else jax.lax.while_loop(lambda c: furthest(c) >= 0, sweep, carry)
     _, _, _, (ids, logps, lengths, done), steps = carry
     rows = sampler._constraint(mesh, P(parallel.BATCH_AXES))
     mask = (jnp.arange(R)[None, :] < lengths[:, None]).astype(jnp.int32)
