@@ -49,7 +49,7 @@ TODELETE = "todelete"
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
-                     "model.remat", "model.remat_saves",
+                     "model.remat", "model.remat_saves", "model.vocab_chunk",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
