@@ -63,8 +63,8 @@ def default_config() -> ml_collections.ConfigDict:
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
-    c.model.vocab_chunk = 1024           # vocabulary chunk of the log-softmax / entropy pass (CPU: 1024 measured
-                                         #   fastest on SmolLM2's 49k vocabulary, docs/performance.md)
+    c.model.vocab_chunk = 8192           # vocabulary chunk of the log-softmax / entropy pass (1024 measured
+                                         #   faster on CPU but not adopted yet, docs/performance.md)
     c.model.embedded = ml_collections.ConfigDict(dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
 
