@@ -99,3 +99,26 @@ def test_bench_step_refuses_a_missing_model(tmp_path):
                         str(tmp_path / "nope.gguf"), "--steps", "1"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no such file" in r.stderr
+
+
+def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
+    """`bench_update.py --profile` sums each traced op's own time (minus the ops nested in it on
+    the same thread) by kind, per device: a loop's time spent in its body's ops is not counted twice."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_update", os.path.join(ROOT, "scripts", "bench_update.py"))
+    bench_update = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_update)
+    run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    ev = lambda name, ts, dur, tid: {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    events = [ev("ThunkExecutor::Execute", 0, 10_000_000, 1),
+              ev("while.7", 0, 8_000_000, 1), ev("dot.1", 1_000_000, 3_000_000, 1),
+              ev("multiply_reduce_fusion", 5_000_000, 1_000_000, 1),
+              ev("dot.2", 8_000_000, 2_000_000, 1),
+              ev("wrapped_reduce-window.3", 0, 2_000_000, 2), ev("dot.1", 2_000_000, 4_000_000, 2)]
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert bench_update.op_seconds_per_device(str(tmp_path), 2) == {"dot": 4.5, "while": 2.0, "reduce-window": 1.0,
+                                                                   "fusion": 0.5}
