@@ -270,6 +270,8 @@ def main() -> None:
     ap.add_argument("--remat-saves", choices=("nothing", "projections"), default="nothing",
                     help="stare-jax on the real-model workload (which rematerialises its layers): model.remat_saves, "
                          "what each layer keeps for the backward (default nothing: the whole layer is recomputed)")
+    ap.add_argument("--vocab-chunk", type=int, default=None,
+                    help="stare-jax: model.vocab_chunk (default: the config default)")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
@@ -284,6 +286,8 @@ def main() -> None:
         ap.error("--slots must be >= 0")
     if args.pack_tokens is None:
         args.pack_tokens = 1024 if args.model else 0
+    if args.vocab_chunk is not None and args.vocab_chunk < 1:
+        ap.error("--vocab-chunk must be >= 1")
     if args.pack_tokens < 0:
         ap.error("--pack-tokens must be >= 0")
     if args.model:
@@ -311,7 +315,8 @@ def main() -> None:
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
                  dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens,
-                      remat_saves=args.remat_saves))]
+                      remat_saves=args.remat_saves, **({} if args.vocab_chunk is None
+                                                       else {"vocab_chunk": args.vocab_chunk})))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -352,7 +357,8 @@ def main() -> None:
                       response_length_mean={n: round(statistics.mean(st["tokens"] for st in wk.steps)
                                                      / (workload["num_prompts"] * workload["group_size"]), 1)
                                             for n, wk in zip([w.name for w in workers], workers)},
-                      slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves)
+                      slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
+                      vocab_chunk=args.vocab_chunk)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
                   steps=args.steps, dtype=args.dtype,
                   device=ours.get("device", "cpu"),

@@ -56,6 +56,8 @@ def bench_config(workload: dict):
     c.reward.name = "common:real_reward" if real else "common:reward"
     c.rollout.slots = w.get("slots", 0)
     c.ppo.pack_tokens = w.get("pack_tokens", 0)
+    if "vocab_chunk" in w:
+        c.model.vocab_chunk = w["vocab_chunk"]
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
