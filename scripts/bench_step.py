@@ -315,8 +315,7 @@ def main() -> None:
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
                  dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens,
-                      remat_saves=args.remat_saves, **({} if args.vocab_chunk is None
-                                                       else {"vocab_chunk": args.vocab_chunk})))]
+                      remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]

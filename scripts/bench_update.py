@@ -92,6 +92,7 @@ def main() -> None:
     import ours_peer
 
     workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
+    from stare_jax import config as config_lib
     from stare_jax import distributed, parallel
     from stare_jax.distributed import cpu_devices_per_core
 
@@ -112,10 +113,7 @@ def main() -> None:
 
         policy = from_pretrained(workload["checkpoint"], mesh=mesh)
         tok = policy.tokenizer
-        eos = tuple(workload["eos_token_ids"])
-        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-        ids, mask = common.real_prompt_ids(workload, tok, pad)
-        prompts = {"prompt_ids": ids, "prompt_mask": mask, "ground_truth": np.asarray(workload["ground_truths"])}
+        prompts, eos, pad = ours_peer.real_prompts(workload, tok)
         state = create_train_state(policy.model, base, mesh=mesh)
         with RewardPool(base.reward.name, num_workers=1, timeout_s=base.reward.timeout_s) as pool:
             batch, _ = collect_batch(base, state.model, tok, iter(lambda: prompts, None), pool, jax.random.key(0),
@@ -138,6 +136,10 @@ def main() -> None:
                 if leaf not in node:
                     raise SystemExit(f"bench_update: --setting: unknown config key {key!r}")
                 node[leaf] = value
+        try:
+            config_lib.validate(config, jax.device_count())
+        except config_lib.ConfigError as e:
+            raise SystemExit(f"bench_update: --setting {json.dumps(setting)}: {e}")
         policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
                                  scan_layers=config.model.scan_layers, remat=config.model.remat,
                                  remat_saves=config.model.remat_saves)

@@ -56,7 +56,7 @@ def bench_config(workload: dict):
     c.reward.name = "common:real_reward" if real else "common:reward"
     c.rollout.slots = w.get("slots", 0)
     c.ppo.pack_tokens = w.get("pack_tokens", 0)
-    if "vocab_chunk" in w:
+    if w.get("vocab_chunk"):  # None: the config default
         c.model.vocab_chunk = w["vocab_chunk"]
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
@@ -65,6 +65,19 @@ def bench_config(workload: dict):
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
     return c
+
+
+def real_prompts(workload: dict, tokenizer):
+    """(prompt batch, EOS ids, pad id) of the real-model workload with the model's own tokenizer:
+    the chat-templated prompts left-padded with the pad id (else the first EOS id) and their
+    ground truths, as `collect_batch` takes them."""
+    import numpy as np
+
+    eos_ids = tuple(workload["eos_token_ids"])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    ids, mask = common.real_prompt_ids(workload, tokenizer, pad_id)
+    return ({"prompt_ids": ids, "prompt_mask": mask, "ground_truth": np.asarray(workload["ground_truths"])},
+            eos_ids, pad_id)
 
 
 def main() -> None:
@@ -87,16 +100,12 @@ def main() -> None:
                              scan_layers=config.model.scan_layers, remat=config.model.remat)
     if real:
         tokenizer = policy.tokenizer
-        eos_ids = tuple(workload["eos_token_ids"])
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        ids, mask = common.real_prompt_ids(workload, tokenizer, pad_id)
-        truths = workload["ground_truths"]
+        prompts, eos_ids, pad_id = real_prompts(workload, tokenizer)
     else:
         tokenizer = common.build_tokenizer()
         eos_ids, pad_id = (), common.PAD_ID
         ids, _, truths = common.prompts(workload)
-        mask = np.ones_like(ids)
-    prompts = {"prompt_ids": ids, "prompt_mask": mask, "ground_truth": np.asarray(truths)}
+        prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}
 
     def batches():
         while True:

@@ -49,11 +49,11 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   key/value of each slot is scattered into its own column of the block holding it, and a
   per-slot mask hides columns beyond the slot's position, so a refilled slot needs no zeroing:
   stale columns of the previous response are masked until overwritten. One while loop per block:
-  the loop of block j runs while every busy slot's position lies in blocks 0..j and reads those
-  only. Slots sit at different positions, so this is coarser than for the static batch: once one
-  response passes a boundary, the later loops read the wider prefix even after refills restart
-  slots at column 0 (on equal lengths it reads what the static sampler reads; measured in
-  docs/performance.md).
+  the loop of block j runs while the busy slots' furthest position lies in block j and reads
+  blocks 0..j only; the block loops sit inside an outer loop that starts over from the first
+  block when refills have brought every busy slot below the current one. Slots sit at different
+  positions, so this is coarser than for the static batch (the furthest slot sets the blocks all
+  slots read); on equal lengths it reads what the static sampler reads (docs/performance.md).
 * Bookkeeping per step is O(S) integer work on device: which slots ended, a cumsum that hands the
   free slots the next entries of a queue of pending responses, the per-slot gather of uniforms
   (uniforms[t_s, r_s]) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
