@@ -173,7 +173,7 @@ def main() -> None:
                                    sampling=sampler.SamplingParams(), mesh=mesh, slots=min(s, args.batch))
         _, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(0),
                                                                    lengths.astype(np.int32))
-        device_steps[s] = int(steps)
+        device_steps[s] = (int(steps[0]), int(steps[1]))
     times: dict[int, list[float]] = {s: [] for s in names}
     order = list(names)
     load_before = os.getloadavg()[0]
@@ -201,10 +201,11 @@ def main() -> None:
             entry |= {"decode_steps": steps, "rows": -s, "idle_share": round(1 - int((lengths - 1).sum()) / (steps * -s), 4),
                       "speedup_vs_static": round(useful / median / static_tps, 3)}
         else:
-            if plan["decode_steps"] != device_steps[s]:
-                raise AssertionError(f"schedule {plan['decode_steps']} != device {device_steps[s]} decode steps")
+            if plan["decode_steps"] != device_steps[s][0]:
+                raise AssertionError(f"schedule {plan['decode_steps']} != device {device_steps[s][0]} decode steps")
             entry |= {"decode_steps": plan["decode_steps"], "rows": min(s, args.batch),
                       "idle_share": round(plan["idle_share"], 4),
+                      "shared_prompt_steps": device_steps[s][1],
                       "speedup_vs_static": round(useful / median / static_tps, 3)}
             if s in static_rows:  # the same rows in flight: the same KV-cache memory
                 entry["speedup_vs_static_same_rows"] = round(statistics.median(times[-s]) / median, 3)

@@ -124,7 +124,7 @@ def test_stop_lengths_set_lengths_and_schedule_counts_device_steps(policies):
     result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(5), stop)
     assert_same_rollout(result, ref)
     plan = slots.schedule(np.minimum(stop, 12), 3)
-    assert int(steps) == plan["decode_steps"]
+    assert int(steps[0]) == plan["decode_steps"]
     assert plan["busy_slot_steps"] == int((np.minimum(stop, 12) - 1).sum())
 
 
@@ -196,7 +196,35 @@ def test_refills_per_step_are_capped_and_schedule_replays_the_cap(policies):
                                sampling=sampler.SamplingParams(), slots=12)
     result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(7), stop)
     assert_same_rollout(result, ref)
-    assert int(steps) == slots.schedule(stop, 12)["decode_steps"]
+    assert int(steps[0]) == slots.schedule(stop, 12)["decode_steps"]
+
+
+def test_slot_groups_share_their_prompt_while_aligned(policies, sampled_reference):
+    """With S a multiple of G, slot groups read one shared copy of their prompt's keys while every
+    busy slot of a group answers that prompt: on equal lengths every decode step does (the waves
+    refill whole groups), on varied lengths only the steps before the first unaligned refill; the
+    responses are the static sampler's either way."""
+    model = policies["qwen2"].model
+    ids, mask = prompts()
+    graphdef, state = nnx.split(model)
+    stop = np.full(ids.shape[0] * 4, 5, np.int32)            # 12 responses of 5 tokens on 8 slots: two waves
+    ref = generate(model, ids, mask, rng=jax.random.key(4), group_size=4, max_new_tokens=9, eos_ids=(),
+                   stop_lengths=stop, temperature=0.8, pad_id=PAD)
+    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=9, eos_ids=(), pad_id=PAD,
+                               sampling=sampler.SamplingParams(temperature=0.8), slots=8)
+    result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(4), stop)
+    assert_same_rollout(result, ref)
+    assert int(steps[0]) == slots.schedule(stop, 8)["decode_steps"] == 8 and int(steps[1]) == int(steps[0])
+    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=13, eos_ids=FREQUENT, pad_id=PAD,
+                               sampling=sampler.SamplingParams(temperature=0.8), slots=8)
+    result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(3))
+    assert_same_rollout(result, sampled_reference)
+    assert 0 < int(steps[1]) < int(steps[0]) == slots.schedule(lengths_of(sampled_reference), 8)["decode_steps"]
+    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=13, eos_ids=FREQUENT, pad_id=PAD,
+                               sampling=sampler.SamplingParams(temperature=0.8), slots=6)    # 6 % 4: per-slot copies only
+    result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(3))
+    assert_same_rollout(result, sampled_reference)
+    assert int(steps[1]) == 0
 
 
 def test_num_groups_generates_only_the_wanted_groups_and_stops_early(policies, sampled_reference):
@@ -219,7 +247,7 @@ def test_num_groups_generates_only_the_wanted_groups_and_stops_early(policies, s
     np.testing.assert_allclose(np.asarray(got.log_probs)[:4], np.asarray(sampled_reference.log_probs)[:4], atol=1e-5)
     assert lengths_of(got)[4:].sum() == 0 and not np.asarray(got.truncated)[4:].any()
     assert (np.asarray(got.response_ids)[4:] == PAD).all()
-    assert int(steps) == slots.schedule(ref_lengths[:4], 5)["decode_steps"] < int(full_steps)
+    assert int(steps[0]) == slots.schedule(ref_lengths[:4], 5)["decode_steps"] < int(full_steps[0])
     via_generate = generate(model, ids, mask, rng=jax.random.key(3), slots=5, num_groups=1, **SAMPLED)
     np.testing.assert_array_equal(np.asarray(via_generate.response_mask), np.asarray(got.response_mask))
     with pytest.raises(ValueError, match="slot sampler"):

@@ -188,7 +188,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
 def _compiled_rollout(graphdef, spec: RolloutSpec, with_steps: bool = False):
     """The jitted rollout for one model structure and spec (jit caches per input shape):
     `grouped_rollout`, or `slots.slot_rollout` when `spec.slots`. `with_steps` (slot sampler only)
-    makes it return (result, number of decode steps)."""
+    makes it return (result, int32 [2]: decode steps, of them on shared prompts)."""
     out_shardings = None if spec.mesh is None else NamedSharding(spec.mesh, P(parallel.BATCH_AXES))
     if not spec.slots:
         return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec), out_shardings=out_shardings)

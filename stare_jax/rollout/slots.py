@@ -92,8 +92,8 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
                  spec: RolloutSpec, with_steps: bool = False):
     """Pure slot-refilling rollout of `nnx.merge(graphdef, state)` with `spec.slots` decode slots:
     the `RolloutResult` of `sampler.grouped_rollout` for the same arguments (rows group by group),
-    and with `with_steps` also the number of decode steps the loop ran (int32 scalar). Jit it with
-    `graphdef`, `spec` and `with_steps` static.
+    and with `with_steps` also int32 [2]: the decode steps the loop ran, and how many of them read
+    the slot groups' shared prompts (`aligned`). Jit it with `graphdef`, `spec` and `with_steps` static.
 
     `num_groups` (int32 scalar, traced) generates only the first that many groups: the responses of
     later groups never take a slot and come back empty (response mask 0, not truncated), so the
@@ -161,12 +161,31 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
                   for (k, v), (pk, pv) in zip(slot_prompt.layers, prompt.layers)]
         return PromptCache(layers, slot_prompt.bias.at[dst].set(prompt.bias[src], mode="drop"))
 
+    def copy_group_prompts(group_prompt: PromptCache, dst, src):
+        """Copies prompt src[l] into the shared prompt of slot group dst[l] / G where slot dst[l]
+        leads its group (dst[l] % G == 0); other lanes are dropped writes."""
+        lead = jnp.where(dst % G == 0, dst // G, S)
+        return copy_prompts(group_prompt, lead, src)
+
+    def aligned(c) -> jax.Array:
+        """Whether every busy slot decodes a response of the prompt its group's leading slot holds
+        (with the refills still to be written): then the G slots of a group can share its prompt's
+        keys, as the static sampler's rows do."""
+        (resp, *_), (_, _, held, dst, src) = c[0], c[1]
+        held = held.at[dst].set(src, mode="drop")
+        return jnp.all((resp >= N) | (held == held[(jnp.arange(S) // G) * G]))
+
     # Initial fill: slots take the first S queued responses (prompt keys gathered directly).
     idle = jnp.full((S,), N, jnp.int32)
     zeros, ones = jnp.zeros((S,), jnp.int32), jnp.ones((S,), jnp.int32)
     (resp, t, token, plen, next_q), _, source = assign(idle, ones, zeros, zeros, jnp.int32(0), S)
     slot_prompt = PromptCache([(slot_kv(pk[source]), slot_kv(pv[source])) for pk, pv in prompt.layers],
                               slot_rows(prompt.bias[source]))
+    # Slot groups of G share their leading slot's prompt while `aligned` (see the design note).
+    share = G > 1 and S % G == 0
+    lead = source[::G] if share else source[:1]
+    group_prompt = PromptCache([(slot_kv(pk[lead]), slot_kv(pv[lead])) for pk, pv in prompt.layers],
+                               slot_rows(prompt.bias[lead]))
     bounds = sampler.segment_bounds(R, spec.decode_segments)
     starts = tuple(a for a, _ in bounds)
     empty = [empty_response_cache(model, S, end - start) for start, end in bounds]   # [block][layer]
@@ -174,20 +193,25 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     layers = layer_params(model)
     rope = rope_table(model.config, prompt_len + R)
 
-    def step(c, used: int):
+    def step(c, used: int, shared: bool):
         """One decode step of every slot (its response's columns in the first `used` blocks): feed
         its last token, choose the next one of its response, record it, end finished responses
-        and refill their slots."""
-        (resp, t, token, plen, next_q), (slot_prompt, dst, src), blocks, (ids, logps, lengths, done), steps = c
+        and refill their slots. `shared`: the slots attend to their group's shared prompt (only
+        while `aligned`), else each to its own copy."""
+        (resp, t, token, plen, next_q), (slot_prompt, group_prompt, held, dst, src), blocks, outputs, steps = c
+        ids, logps, lengths, done = outputs
         # The previous step's refills, written first so that the update happens in place (a write
         # after this step's reads made XLA copy the slot caches every step).
         slot_prompt = copy_prompts(slot_prompt, dst, src)
+        if share:
+            group_prompt = copy_group_prompts(group_prompt, dst, src)
+        held = held.at[dst].set(src, mode="drop")
         busy = resp < N
         r = jnp.minimum(resp, N - 1)
         index = jnp.minimum(t, R - 1)                    # the token being chosen (t >= 1 when busy)
         # Feed token t-1 at cache column t-1 (idle slots compute on whatever they hold; unrecorded).
-        logits, blocks = decode_step_rows(model, layers, slot_prompt, blocks, starts[:used], token, plen + t - 1,
-                                          jnp.clip(t - 1, 0, R - 1), rope=rope)
+        logits, blocks = decode_step_rows(model, layers, group_prompt if shared else slot_prompt, blocks,
+                                          starts[:used], token, plen + t - 1, jnp.clip(t - 1, 0, R - 1), rope=rope)
         new = choose_tokens(logits, None if uniforms is None else uniforms[index, r], spec.sampling)
         new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
         logp = token_log_probs(logits, new)
@@ -198,7 +222,8 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         lengths = lengths.at[jnp.where(ended, resp, N)].set(index + 1, mode="drop")
         done = done.at[jnp.where(busy & ends, resp, N)].set(True, mode="drop")
         slots, take, source = assign(jnp.where(ended, N, resp), t + 1, new, plen, next_q, lanes)
-        return slots, (slot_prompt,) + refills(take, source), blocks, (ids, logps, lengths, done), steps + 1
+        return (slots, (slot_prompt, group_prompt, held) + refills(take, source), blocks,
+                (ids, logps, lengths, done), steps + jnp.array([1, int(shared)], jnp.int32))
 
     def furthest(c):
         """The furthest column a busy slot writes next (-1 when none is busy)."""
@@ -219,7 +244,10 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
             used = j + 1
             rest = [layer[used:] for layer in carry[2]]
             inner = (*carry[:2], [layer[:used] for layer in carry[2]], *carry[3:])
-            inner = jax.lax.while_loop(lambda c, j=j: in_block(c, j), lambda c, used=used: step(c, used), inner)
+            if share:  # shared prompts while aligned, then per-slot copies for the rest of the block
+                inner = jax.lax.while_loop(lambda c, j=j: in_block(c, j) & aligned(c),
+                                           lambda c, used=used: step(c, used, True), inner)
+            inner = jax.lax.while_loop(lambda c, j=j: in_block(c, j), lambda c, used=used: step(c, used, False), inner)
             carry = (*inner[:2], [a + b for a, b in zip(inner[2], rest)], *inner[3:])
         return carry
 
@@ -227,8 +255,8 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     # starts over from the first block whenever the busy slots' furthest column falls below the
     # current block (refills restart slots at column 0).
     no_refill = (jnp.full((lanes,), S, jnp.int32), jnp.zeros((lanes,), jnp.int32))
-    carry = ((resp, t, token, plen, next_q), (slot_prompt,) + no_refill, blocks, (ids, logps, lengths, done),
-             jnp.int32(0))
+    carry = ((resp, t, token, plen, next_q), (slot_prompt, group_prompt, source) + no_refill, blocks,
+             (ids, logps, lengths, done), jnp.zeros((2,), jnp.int32))
     carry = sweep(carry) if len(bounds) == 1 else jax.lax.while_loop(lambda c: furthest(c) >= 0, sweep, carry)
     _, _, _, (ids, logps, lengths, done), steps = carry
     rows = sampler._constraint(mesh, P(parallel.BATCH_AXES))
