@@ -192,10 +192,13 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     slot_prompt = PromptCache([(slot_kv(pk[source]), slot_kv(pv[source])) for pk, pv in prompt.layers],
                               slot_rows(prompt.bias[source]))
     # Slot groups of G share their leading slot's prompt while `aligned` (see the design note).
+    # With a mesh a group's row sits on the device of its slots when every device holds whole groups.
     share = G > 1 and S % G == 0
     lead = source[::G] if share else source[:1]
-    group_prompt = PromptCache([(slot_kv(pk[lead]), slot_kv(pv[lead])) for pk, pv in prompt.layers],
-                               slot_rows(prompt.bias[lead]))
+    split_groups = mesh is not None and S % (G * parallel.batch_divisor(mesh)) == 0
+    group_kv, group_rows = kv(split_groups), (slot_rows if split_groups else replicated)
+    group_prompt = PromptCache([(group_kv(pk[lead]), group_kv(pv[lead])) for pk, pv in prompt.layers],
+                               group_rows(prompt.bias[lead]))
     bounds = sampler.segment_bounds(R, spec.decode_segments)
     starts = tuple(a for a, _ in bounds)
     empty = [empty_response_cache(model, S, end - start) for start, end in bounds]   # [block][layer]
