@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import os
 import pickle
@@ -36,19 +35,33 @@ sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402
 
 
-def op_seconds_per_device(trace_dir: str, devices: int) -> dict[str, float]:
-    """Self time (s) per XLA op kind in a `jax.profiler.trace` directory, divided by `devices`:
-    each traced event's duration minus that of the events nested in it on the same thread, summed
-    by kind ("dot", "fusion", "while" (a loop's own time), "reduce-window", ...)."""
+def trace_events(trace_dir: str) -> list[tuple[str, str, float, float]]:
+    """Every host event of the latest `jax.profiler.trace` run in `trace_dir`, read from its XSpace
+    (`*.xplane.pb`; the Perfetto JSON beside it stops at 1,000,000 events, which a real-model update
+    exceeds two thirds of the way through): (thread, op name, start, duration), times in us."""
+    import glob
+
+    from jax.profiler import ProfileData
+
     runs = os.path.join(trace_dir, "plugins", "profile")
     latest = os.path.join(runs, sorted(os.listdir(runs))[-1])
-    with gzip.open(os.path.join(latest, "perfetto_trace.json.gz")) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    data = ProfileData.from_file(glob.glob(os.path.join(latest, "*.xplane.pb"))[0])
+    return [(line.name, e.name, e.start_ns / 1e3, e.duration_ns / 1e3)
+            for plane in data.planes if plane.name.startswith("/host:CPU")
+            for line in plane.lines for e in line.events]
+
+
+SKIPPED_EVENTS = ("$", "ThunkExecutor", "ThreadpoolListener", "end:", "PjitFunction", "Common", "Wait",
+                  "Rendezvous", "ParseArguments", "Handle", "Allocate", "PythonRef")
+
+
+def op_seconds_per_device(events, devices: int) -> dict[str, float]:
+    """Self time (s) per XLA op kind of `trace_events`, divided by `devices`: each event's duration
+    minus that of the events nested in it on the same thread, summed by kind ("dot", "fusion",
+    "while" (a loop's own time), "reduce-window", ...)."""
     by_thread = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e:
-            by_thread[e["tid"]].append(e)
+    for thread, name, start, dur in events:
+        by_thread[thread].append({"name": name, "ts": start, "dur": dur})
     kinds: collections.Counter = collections.Counter()
     for thread in by_thread.values():
         thread.sort(key=lambda e: (e["ts"], -e["dur"]))
@@ -62,8 +75,7 @@ def op_seconds_per_device(trace_dir: str, devices: int) -> dict[str, float]:
             stack.append(e)
         for e in thread:
             name = e["name"]
-            if name.startswith(("$", "ThunkExecutor", "ThreadpoolListener", "end:", "PjitFunction", "Common",
-                                "Wait", "Rendezvous", "ParseArguments", "Handle", "Allocate", "PythonRef")):
+            if name.startswith(SKIPPED_EVENTS):
                 continue
             base = name.split(".")[0].removeprefix("wrapped_")
             kinds["fusion" if "fusion" in base else base] += e["self"]
@@ -150,7 +162,7 @@ def main() -> None:
         times, trace = [], os.path.join(args.profile, str(i)) if args.profile else ""
         for r in range(args.reps):
             if trace and r == args.reps - 1:
-                jax.profiler.start_trace(trace, create_perfetto_trace=True)
+                jax.profiler.start_trace(trace)
             t0 = time.perf_counter()
             state, out = update(state, sharded, jax.random.key(1), packing=packing)
             jax.block_until_ready(out)
@@ -162,7 +174,9 @@ def main() -> None:
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
                   "devices": jax.device_count()}
         if trace:
-            result["op_seconds_per_device"] = op_seconds_per_device(trace, jax.device_count())
+            events = trace_events(trace)
+            result["trace_events"] = len(events)
+            result["op_seconds_per_device"] = op_seconds_per_device(events, jax.device_count())
         print(json.dumps(result), flush=True)
         del state, update, policy
 

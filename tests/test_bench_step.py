@@ -102,23 +102,29 @@ def test_bench_step_refuses_a_missing_model(tmp_path):
 
 
 def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
-    """`bench_update.py --profile` sums each traced op's own time (minus the ops nested in it on
-    the same thread) by kind, per device: a loop's time spent in its body's ops is not counted twice."""
-    import gzip
+    """`bench_update.py --profile` reads every event of the trace's XSpace (past the Perfetto JSON's
+    1,000,000-event cap) and sums each op's own time (minus the ops nested in it on the same
+    thread) by kind, per device: a loop's time spent in its body's ops is not counted twice."""
     import importlib.util
+
+    from jax.profiler import ProfileData
 
     spec = importlib.util.spec_from_file_location("bench_update", os.path.join(ROOT, "scripts", "bench_update.py"))
     bench_update = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_update)
+    names = ["ThunkExecutor::Execute", "while.7", "dot.1", "multiply_reduce_fusion", "dot.2", "wrapped_reduce-window.3"]
+    ev = lambda name, ts, dur: (f"events {{ metadata_id: {names.index(name) + 1} offset_ps: {ts * 10**6} "  # noqa: E731
+                                f"duration_ps: {dur * 10**6} }}")
+    thread1 = [ev("ThunkExecutor::Execute", 0, 10_000_000), ev("while.7", 0, 8_000_000), ev("dot.1", 1_000_000, 3_000_000),
+               ev("multiply_reduce_fusion", 5_000_000, 1_000_000), ev("dot.2", 8_000_000, 2_000_000)]
+    thread2 = [ev("wrapped_reduce-window.3", 0, 2_000_000), ev("dot.1", 2_000_000, 4_000_000)]
+    metadata = " ".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names))
+    plane = (f'planes {{ name: "/host:CPU" lines {{ id: 1 name: "eigen1" {" ".join(thread1)} }} '
+             f'lines {{ id: 2 name: "eigen2" {" ".join(thread2)} }} {metadata} }}')
     run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
     run.mkdir(parents=True)
-    ev = lambda name, ts, dur, tid: {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
-    events = [ev("ThunkExecutor::Execute", 0, 10_000_000, 1),
-              ev("while.7", 0, 8_000_000, 1), ev("dot.1", 1_000_000, 3_000_000, 1),
-              ev("multiply_reduce_fusion", 5_000_000, 1_000_000, 1),
-              ev("dot.2", 8_000_000, 2_000_000, 1),
-              ev("wrapped_reduce-window.3", 0, 2_000_000, 2), ev("dot.1", 2_000_000, 4_000_000, 2)]
-    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    assert bench_update.op_seconds_per_device(str(tmp_path), 2) == {"dot": 4.5, "while": 2.0, "reduce-window": 1.0,
-                                                                   "fusion": 0.5}
+    (run / "vm.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(plane))
+    events = bench_update.trace_events(str(tmp_path))
+    assert len(events) == 7 and ("eigen2", "dot.1", 2_000_000.0, 4_000_000.0) in events
+    assert bench_update.op_seconds_per_device(events, 2) == {"dot": 4.5, "while": 2.0, "reduce-window": 1.0,
+                                                             "fusion": 0.5}
