@@ -115,10 +115,12 @@ def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
     names = ["ThunkExecutor::Execute", "while.7", "dot.1", "multiply_reduce_fusion", "dot.2", "wrapped_reduce-window.3"]
     ev = lambda name, ts, dur: (f"events {{ metadata_id: {names.index(name) + 1} offset_ps: {ts * 10**6} "  # noqa: E731
                                 f"duration_ps: {dur * 10**6} }}")
-    thread1 = [ev("ThunkExecutor::Execute", 0, 10_000_000), ev("while.7", 0, 8_000_000), ev("dot.1", 1_000_000, 3_000_000),
-               ev("multiply_reduce_fusion", 5_000_000, 1_000_000), ev("dot.2", 8_000_000, 2_000_000)]
+    thread1 = [ev("ThunkExecutor::Execute", 0, 10_000_000), ev("while.7", 0, 8_000_000),
+               ev("dot.1", 1_000_000, 3_000_000), ev("multiply_reduce_fusion", 5_000_000, 1_000_000),
+               ev("dot.2", 8_000_000, 2_000_000)]
     thread2 = [ev("wrapped_reduce-window.3", 0, 2_000_000), ev("dot.1", 2_000_000, 4_000_000)]
-    metadata = " ".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names))
+    metadata = " ".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}'
+                        for i, n in enumerate(names))
     plane = (f'planes {{ name: "/host:CPU" lines {{ id: 1 name: "eigen1" {" ".join(thread1)} }} '
              f'lines {{ id: 2 name: "eigen2" {" ".join(thread2)} }} {metadata} }}')
     run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"

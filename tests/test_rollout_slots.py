@@ -220,8 +220,8 @@ def test_slot_groups_share_their_prompt_while_aligned(policies, sampled_referenc
     result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(3))
     assert_same_rollout(result, sampled_reference)
     assert 0 < int(steps[1]) < int(steps[0]) == slots.schedule(lengths_of(sampled_reference), 8)["decode_steps"]
-    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=13, eos_ids=FREQUENT, pad_id=PAD,
-                               sampling=sampler.SamplingParams(temperature=0.8), slots=6)    # 6 % 4: per-slot copies only
+    spec = sampler.RolloutSpec(group_size=4, max_new_tokens=13, eos_ids=FREQUENT, pad_id=PAD,    # 6 % 4 != 0:
+                               sampling=sampler.SamplingParams(temperature=0.8), slots=6)    # per-slot copies only
     result, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(3))
     assert_same_rollout(result, sampled_reference)
     assert int(steps[1]) == 0

@@ -44,7 +44,7 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   with the static sampler's grouped attention, reading S/G*P prompt keys instead of S*P; once a
   refill breaks that, the per-slot copies serve until the next block loop checks again. Each
   block therefore has two loops, the shared one first (twice the loop bodies to compile). On
-  equal lengths this took the slot sampler from 0.87x to 0.99x the static sampler's tokens/s
+  equal lengths this took the slot sampler from 0.87x to 0.98-1.00x the static sampler's tokens/s
   on the benchmark's small model, where the prompt keys are a sixth of the keys read per step.
 * A decode step refills at most `REFILL_LANES` slots (the first free ones, in slot order), with
   one gather of those lanes' prompts and one in-place scatter into the slot caches (mode="drop"
