@@ -45,7 +45,10 @@ def trace_events(trace_dir: str) -> list[tuple[str, str, float, float]]:
 
     runs = os.path.join(trace_dir, "plugins", "profile")
     latest = os.path.join(runs, sorted(os.listdir(runs))[-1])
-    data = ProfileData.from_file(glob.glob(os.path.join(latest, "*.xplane.pb"))[0])
+    found = glob.glob(os.path.join(latest, "*.xplane.pb"))
+    if not found:
+        raise SystemExit(f"bench_update: no *.xplane.pb in {latest} (was the trace written?)")
+    data = ProfileData.from_file(found[0])
     return [(line.name, e.name, e.start_ns / 1e3, e.duration_ns / 1e3)
             for plane in data.planes if plane.name.startswith("/host:CPU")
             for line in plane.lines for e in line.events]

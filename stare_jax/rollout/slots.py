@@ -179,10 +179,9 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
 
     def aligned(c) -> jax.Array:
         """Whether every busy slot decodes a response of the prompt its group's leading slot holds
-        (with the refills still to be written): then the G slots of a group can share its prompt's
-        keys, as the static sampler's rows do."""
-        (resp, *_), (_, _, held, dst, src) = c[0], c[1]
-        held = held.at[dst].set(src, mode="drop")
+        (`held`: each slot's prompt, the refills still to be written included): then the G slots
+        of a group can share its prompt's keys, as the static sampler's rows do."""
+        resp, held = c[0][0], c[1][2]
         return jnp.all((resp >= N) | (held == held[(jnp.arange(S) // G) * G]))
 
     # Initial fill: slots take the first S queued responses (prompt keys gathered directly).
@@ -194,11 +193,13 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     # Slot groups of G share their leading slot's prompt while `aligned` (see the design note).
     # With a mesh a group's row sits on the device of its slots when every device holds whole groups.
     share = G > 1 and S % G == 0
-    lead = source[::G] if share else source[:1]
-    split_groups = mesh is not None and S % (G * parallel.batch_divisor(mesh)) == 0
-    group_kv, group_rows = kv(split_groups), (slot_rows if split_groups else replicated)
-    group_prompt = PromptCache([(group_kv(pk[lead]), group_kv(pv[lead])) for pk, pv in prompt.layers],
-                               group_rows(prompt.bias[lead]))
+    group_prompt = None
+    if share:
+        lead = source[::G]
+        split_groups = mesh is not None and S % (G * parallel.batch_divisor(mesh)) == 0
+        group_kv, group_rows = kv(split_groups), (slot_rows if split_groups else replicated)
+        group_prompt = PromptCache([(group_kv(pk[lead]), group_kv(pv[lead])) for pk, pv in prompt.layers],
+                                   group_rows(prompt.bias[lead]))
     bounds = sampler.segment_bounds(R, spec.decode_segments)
     starts = tuple(a for a, _ in bounds)
     empty = [empty_response_cache(model, S, end - start) for start, end in bounds]   # [block][layer]
@@ -218,7 +219,6 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         slot_prompt = copy_prompts(slot_prompt, dst, src)
         if share:
             group_prompt = copy_group_prompts(group_prompt, dst, src)
-        held = held.at[dst].set(src, mode="drop")
         busy = resp < N
         r = jnp.minimum(resp, N - 1)
         index = jnp.minimum(t, R - 1)                    # the token being chosen (t >= 1 when busy)
@@ -235,7 +235,9 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         lengths = lengths.at[jnp.where(ended, resp, N)].set(index + 1, mode="drop")
         done = done.at[jnp.where(busy & ends, resp, N)].set(True, mode="drop")
         slots, take, source = assign(jnp.where(ended, N, resp), t + 1, new, plen, next_q, lanes)
-        return (slots, (slot_prompt, group_prompt, held) + refills(take, source), blocks,
+        dst, src = refills(take, source)
+        held = held.at[dst].set(src, mode="drop")        # as the next step's copies will leave them
+        return (slots, (slot_prompt, group_prompt, held, dst, src), blocks,
                 (ids, logps, lengths, done), steps + jnp.array([1, int(shared)], jnp.int32))
 
     def furthest(c):
