@@ -116,6 +116,20 @@ def host_to_global(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+def partial_sum_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    """Where a replicated weight's gradient may be summed as per-device partial sums.
+
+    On a purely data-parallel mesh (fsdp = tensor = 1, |data| > 1) every device holds the whole
+    weight and its own rows of the batch, so a loop that adds up gradient pieces (the vocabulary
+    pass's dW, chunk by chunk) can keep one partial sum per device, `[|data|, ...]` split over
+    `data`, and reduce once after the loop instead of all-reducing inside every trip. Returns the
+    sharding of that leading axis (`P("data")`), or None where the weight is sharded or there is one
+    device (the loop then accumulates as before)."""
+    if mesh is None or mesh.shape["data"] == 1 or mesh.shape["fsdp"] * mesh.shape["tensor"] != 1:
+        return None
+    return NamedSharding(mesh, P("data"))
+
+
 def shard_batch(tree, mesh: Mesh):
     """Places a global batch held in full by every process on `mesh`, leading axis split over
     (data, fsdp)."""

@@ -136,3 +136,57 @@ def test_bfloat16_compute_matches_float32_within_bf16_rounding(chunk):
     np.testing.assert_allclose(np.asarray(s16.entropy), np.asarray(s32.entropy), atol=0.05)
     for a, b in zip(g16, g32):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=0.05 * float(jnp.abs(b).max()))
+
+
+def _while_bodies(hlo: str) -> dict:
+    """name -> text of every computation that some while loop of `hlo` uses as its body."""
+    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
+    comps, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" " * 2):
+            name, lines = head.group(1), []
+        elif line.strip() == "}" and name is not None:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return {b: comps.get(b, "") for b in bodies}
+
+
+@pytest.mark.parametrize("chunk", [16, 97 - 40])
+def test_data_parallel_dw_partial_sums_match_and_leave_the_loop_free_of_collectives(chunk):
+    """On a data-parallel mesh the vocabulary pass's dW is summed per device and reduced once after
+    the backward loop: the same gradients as the replicated accumulation (and the naive pass), and
+    no all-reduce inside any while loop of the compiled gradient."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = parallel.make_mesh(data=4, devices=jax.devices()[:4])
+    partials = parallel.partial_sum_sharding(mesh)
+    assert partials is not None and partials.spec == P("data")
+    assert parallel.partial_sum_sharding(parallel.make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])) is None
+    k = jax.random.split(jax.random.key(1), 3)
+    h = jax.device_put(jax.random.normal(k[0], (8, 5, 8)), NamedSharding(mesh, P("data")))
+    w = jax.device_put(jax.random.normal(k[1], (8, 97)), NamedSharding(mesh, P()))
+    t = jax.device_put(jax.random.randint(k[2], (8, 5), 0, 97), NamedSharding(mesh, P("data")))
+
+    def grad_fn(partials):
+        def loss(h, w):
+            s = token_stats(h, w, t, chunk_size=chunk, partials=partials)
+            return jnp.sum(0.3 * s.log_probs - 0.7 * s.entropy)
+        return jax.jit(jax.grad(loss, (0, 1)))
+
+    got, plain = grad_fn(partials)(h, w), grad_fn(None)(h, w)
+    want = jax.grad(lambda h, w: jnp.sum(0.3 * naive_token_stats(h @ w, t).log_probs
+                                         - 0.7 * naive_token_stats(h @ w, t).entropy), (0, 1))(h, w)
+    for a, b, c in zip(got, plain, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=0, atol=1e-5)
+
+    def loop_collectives(partials):
+        hlo = grad_fn(partials).lower(h, w).compile().as_text()
+        bodies = _while_bodies(hlo)
+        assert bodies, "expected the chunked vocabulary loops"
+        return sum(len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in bodies.values())
+
+    assert loop_collectives(None) > 0  # the replicated accumulation all-reduces inside the loop
+    assert loop_collectives(partials) == 0

@@ -27,6 +27,13 @@ backward pass instead of being recomputed.
 
 A vocabulary that C does not divide is handled without padding the matrix: the last chunk starts at
 V - C and ignores the columns an earlier chunk already covered.
+
+On a data-parallel mesh each device holds its own rows of h, so dW_c = h^T dz is a sum over devices.
+Accumulated in a replicated [D, V] carry, that sum is an all-reduce inside every trip of the
+backward loop. With `partials` (the sharding of a leading device axis, from
+`parallel.partial_sum_sharding`) each device adds its rows' h_s^T dz_s into its own slice of a
+[S, D, V] carry instead, and the S partial sums are reduced once after the loop: one collective per
+backward pass, none inside the loop, the same sums.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 _NEG = -1e30  # finite "minus infinity": keeps every shifted product finite
 
@@ -49,18 +57,21 @@ class TokenStats(NamedTuple):
 
 
 def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chunk_size: int = 8192,
-                temperature: float = 1.0, compute_dtype=None, with_pi2: bool = False) -> TokenStats:
+                temperature: float = 1.0, compute_dtype=None, with_pi2: bool = False,
+                partials: NamedSharding | None = None) -> TokenStats:
     """log pi(targets), entropy H and optionally Q = sum_j pi_j^2 (s_j - H), all [N, T] float32.
 
     hidden [N, T, D] (final-norm hidden states), w_out [D, V], targets [N, T] int. The logits are
     (hidden @ w_out) / temperature computed in `compute_dtype` (default: hidden's dtype) with
     float32 accumulation, `chunk_size` vocabulary columns at a time. `log_probs` and `entropy` are
     differentiable w.r.t. hidden and w_out (by the hand-written backward, see `_stats_bwd`); Q is not.
+    `partials` (`parallel.partial_sum_sharding`): accumulate dW as one partial sum per data-parallel
+    device, reduced once after the backward loop (hidden's leading axis split over those devices).
     """
     V = w_out.shape[1]
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(hidden.dtype)
     spec = _Spec(chunk=int(min(chunk_size, V)), inv_temp=1.0 / float(temperature), dtype=dtype.name,
-                 with_pi2=bool(with_pi2))
+                 with_pi2=bool(with_pi2), partials=partials)
     log_probs, entropy, pi2_dev = _token_stats(spec, hidden, w_out, targets.astype(jnp.int32))
     return TokenStats(log_probs=log_probs, entropy=entropy, pi2_dev=pi2_dev if with_pi2 else None)
 
@@ -72,6 +83,7 @@ class _Spec(NamedTuple):
     inv_temp: float
     dtype: str
     with_pi2: bool
+    partials: Optional[NamedSharding] = None
 
 
 def _logits(spec: _Spec, h2: jax.Array, w_c: jax.Array) -> jax.Array:
@@ -186,29 +198,44 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
         dz = jnp.where(col == tgt, g_lp, 0.0) - p * (g_lp + g_h * (logp + ent))
         return dz * spec.inv_temp if spec.inv_temp != 1.0 else dz
 
-    def grads(dz, w_c):
+    def grads(dz, w_c, h=h2):
+        """(dh, dW_c) = (dz W_c^T, h^T dz); with h [S, M/S, D] blocks, dW_c is [S, D, C]: one
+        partial sum per block."""
         dz = dz.astype(spec.dtype)
         dh = jnp.dot(dz, w_c.astype(spec.dtype).T, preferred_element_type=jnp.float32)
-        dw = jnp.dot(h2.T, dz, preferred_element_type=jnp.float32)
-        return dh, dw
+        if h.ndim == 3:
+            return dh, jnp.einsum("smd,smc->sdc", h, dz.reshape(h.shape[:2] + dz.shape[1:]),
+                                  preferred_element_type=jnp.float32)
+        return dh, jnp.dot(h.T, dz, preferred_element_type=jnp.float32)
 
     if C == V:
         dh, dw = grads(dlogits(logits, jnp.arange(V, dtype=jnp.int32)[None]), w_out)
     else:
+        S = 1 if spec.partials is None else int(spec.partials.mesh.shape["data"])
+        S = S if N % S == 0 else 1
+        if S > 1:  # per-device partial sums of dW: [S, D, V], split over the devices (module doc)
+            pin = lambda x: jax.lax.with_sharding_constraint(x, spec.partials)  # noqa: E731
+            h_blocks = pin(h2.reshape(S, M // S, D))
+        else:
+            pin, h_blocks = (lambda x: x), h2
+
         def body(carry, c):
             dh, dw = carry
             w_c, col, fresh = _chunk(w_out, c, C)
             dz = dlogits(_logits(spec, h2, w_c), col[None])
             if fresh is not None:
                 dz = jnp.where(fresh[None], dz, 0.0)
-            dh_c, dw_c = grads(dz, w_c)
-            start = col[0]
-            dw = jax.lax.dynamic_update_slice_in_dim(dw, jax.lax.dynamic_slice_in_dim(dw, start, C, 1) + dw_c,
-                                                     start, axis=1)
-            return (dh + dh_c, dw), None
+            dh_c, dw_c = grads(dz, w_c, h_blocks)
+            start, axis = col[0], dw.ndim - 1
+            dw = jax.lax.dynamic_update_slice_in_dim(
+                dw, jax.lax.dynamic_slice_in_dim(dw, start, C, axis) + dw_c, start, axis=axis)
+            return (dh + dh_c, pin(dw)), None
 
-        init = (jnp.zeros((M, D), jnp.float32), jnp.zeros((D, V), jnp.float32))
-        (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(-(-V // C), dtype=jnp.int32))
+        dw0 = pin(jnp.zeros(((S,) if S > 1 else ()) + (D, V), jnp.float32))
+        (dh, dw), _ = jax.lax.scan(body, (jnp.zeros((M, D), jnp.float32), dw0),
+                                   jnp.arange(-(-V // C), dtype=jnp.int32))
+        if S > 1:
+            dw = jnp.sum(dw, axis=0)  # the one cross-device reduction
     return dh.reshape(hidden.shape).astype(hidden.dtype), dw.astype(w_out.dtype), None
 
 

@@ -120,7 +120,8 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
         hidden, _ = model.hidden_states(input_ids, positions_from_mask(attention_mask), attention_mask)
         h = hidden[:, P_len - 1:L - 1]
     return token_stats(h, model.output_embedding(), input_ids[:, P_len:], chunk_size=vocab_chunk,
-                       temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
+                       temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
+                       partials=parallel.partial_sum_sharding(model.mesh))
 
 
 def _group_prompts(x: jax.Array, *, group_size: int, prompt_len: int) -> jax.Array:
@@ -145,7 +146,8 @@ def _packed_response_token_stats(model, input_ids, attention_mask, response_len:
     last_prompt = jnp.take(prompt_hidden[:, -1], row // group_size, axis=0)  # [S, C, D]
     h = model.constrain_batch(jnp.where((col == 0)[..., None], last_prompt, previous))
     stats = token_stats(h, model.output_embedding(), gather_packed(responses, index), chunk_size=vocab_chunk,
-                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2)
+                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
+                        partials=parallel.partial_sum_sharding(model.mesh))
     grid = lambda x: None if x is None else model.constrain_batch(scatter_packed(x, index, N, R))  # noqa: E731
     return TokenStats(log_probs=grid(stats.log_probs), entropy=grid(stats.entropy), pi2_dev=grid(stats.pi2_dev))
 
