@@ -130,3 +130,14 @@ def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
     assert len(events) == 7 and ("eigen2", "dot.1", 2_000_000.0, 4_000_000.0) in events
     assert bench_update.op_seconds_per_device(events, 2) == {"dot": 4.5, "while": 2.0, "reduce-window": 1.0,
                                                              "fusion": 0.5}
+
+
+def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_vocab_pass.py"), "--tokens", "24",
+                        "--hidden", "8", "--vocab", "97", "--chunks", "16,97", "--rounds", "1"],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert {(x["chunk"], x["dw"]) for x in rows} == {(c, d) for c in (16, 97)
+                                                      for d in ("allreduce_in_loop", "per_device_partials")}
+    assert all(x["median_s"] > 0 and len(x["times_s"]) == 1 and x["devices"] == 2 for x in rows)
