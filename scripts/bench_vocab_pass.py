@@ -81,8 +81,8 @@ def main() -> None:
             jax.block_until_ready(fn(h, w))
             times[key].append(time.perf_counter() - t0)
     for (chunk, name), ts in times.items():
-        print(json.dumps({"chunk": chunk, "dw": name, "median_s": round(statistics.median(ts), 3),
-                          "times_s": [round(x, 3) for x in ts], "tokens_per_device": M, "hidden": D, "vocab": V,
+        print(json.dumps({"chunk": chunk, "dw": name, "median_s": round(statistics.median(ts), 6),
+                          "times_s": [round(x, 6) for x in ts], "tokens_per_device": M, "hidden": D, "vocab": V,
                           "devices": S, "host_cpu": common.host_cpu()}), flush=True)
 
 
