@@ -220,7 +220,13 @@ def test_sigterm_saves_the_step_and_exits_143_and_a_second_training_is_refused(t
                             stderr=subprocess.PIPE, text=True)
     try:
         _wait_rows(metrics, 2, proc)
-        second = run_train(workdir, overrides)
+        # Held still while a second training starts (its imports can outlast the first run's
+        # remaining steps on a slow host); a stopped process keeps its flock.
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            second = run_train(workdir, overrides)
+        finally:
+            proc.send_signal(signal.SIGCONT)
         assert second.returncode == 2
         assert second.stderr.strip().splitlines() == [second.stderr.strip()]
         assert "is in use by another training" in second.stderr
