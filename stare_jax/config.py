@@ -63,9 +63,9 @@ def default_config() -> ml_collections.ConfigDict:
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
-    c.model.vocab_chunk = 1024           # vocabulary columns per step of the log-softmax / entropy pass: the
-                                         #   [tokens, chunk] float32 logits stay in cache (faster than 8192 on
-                                         #   CPU, docs/performance.md); GPU/TPU configs may set 8192-16384
+    c.model.vocab_chunk = 8192           # vocabulary columns per step of the log-softmax / entropy pass (1024:
+                                         #   faster on fixed CPU batches, not in the full real-model step;
+                                         #   docs/performance.md)
     c.model.embedded = ml_collections.ConfigDict(dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
 

@@ -57,7 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "update.grad_accum": 1,
     "update.share_prompt": True,
     "update.pack_tokens": 0,
-    "model.vocab_chunk": 1024,
+    "model.vocab_chunk": 8192,
     "rollout.group_size": 8,
 }
 
@@ -187,7 +187,7 @@ class RLSettings:
     ppo_epochs: int = 1
     num_minibatches: int = 1
     grad_accum: int = 1
-    vocab_chunk: int = 1024
+    vocab_chunk: int = 8192
     group_size: int = 8
     share_prompt: bool = True
     pack_tokens: int = 0  # > 0: packed responses, capacity rounded up to this multiple (models.packing)
