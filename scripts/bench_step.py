@@ -58,6 +58,10 @@ Roofline (`roofline` in the JSON, computed from the workload's shape and the mea
         reads every weight once per data-parallel replica (params x bytes x replicas) plus the KV
         cache of every live sequence so far; rollout_vs_floor = median rollout (reward excluded) /
         floor. `memory_bandwidth_gbs` is common.jax_copy_bandwidth_gbs on stare-jax's device.
+    decode_compute_floor_s = the rollout's FLOPs (`decode_flops`: weight matmuls and attention of
+        every generated token) / matmul peak; rollout_vs_both_floors = rollout / (bandwidth floor +
+        compute floor), the bound where reading the weights and computing with them do not overlap
+        (a CPU core that streams a skinny matmul's weights mostly waits, then computes).
 
 The peers need requirements-bench.txt in their own virtual environment (see that file).
 """
@@ -131,7 +135,8 @@ class Worker:
                 "peak_rss_mb": round(max(s["peak_rss_mb"] for s in self.steps), 1),
                 "steps": len(self.steps), "per_step": [
                     {k: (round(v, 4) if isinstance(v, float) else v) for k, v in st.items()
-                     if k in ("step_s", "rollout_s", "update_s", "tokens", "compilations", "packed_capacity")}
+                     if k in ("step_s", "rollout_s", "update_s", "reward_s", "tokens", "compilations",
+                              "packed_capacity", "response_lens")}
                     for st in self.steps],
                 **{k: v for k, v in self.info.items() if k != "ready"}}
 
@@ -193,13 +198,31 @@ def decode_bytes(w: dict, replicas: int, response_lens: list[int] | None = None)
     return steps * params * nbytes * replicas + kv
 
 
+def decode_flops(w: dict, response_lens: list[int] | None = None) -> float:
+    """FLOPs a rollout must compute: for every generated token, 2 per multiply-add of every weight
+    matmul (the layers and the output projection) plus attention over its prompt and the tokens
+    before it, 2 * 2 * H * hd * (P + t) per layer at step t. Without `response_lens` every response
+    has new_tokens."""
+    D, L, H, V = w["hidden_size"], w["num_layers"], w["num_heads"], w["vocab_size"]
+    hd = w.get("head_dim") or D // H
+    n = w["num_prompts"] * w["group_size"]
+    lens = list(response_lens) if response_lens is not None else [w["new_tokens"]] * n
+    P = w["prompt_len"]
+    per_token = 2 * (layer_weights(w) + V * D)
+    attention = L * 4 * H * hd * sum(l * P + l * (l - 1) / 2 for l in lens)
+    return per_token * float(sum(lens)) + attention
+
+
 def roofline(w: dict, update_flops: float, peak_gflops: float, bandwidth_gbs: float, replicas: int,
              update_s: float, generate_s: float, response_lens: list[int] | None = None) -> dict:
     """Each phase's floor and the measured time's ratio to it (see the module docstring)."""
     update_floor = update_flops / (peak_gflops * 1e9)
     decode_floor = decode_bytes(w, replicas, response_lens) / (bandwidth_gbs * 1e9)
+    decode_compute = decode_flops(w, response_lens) / (peak_gflops * 1e9)
     return {"update_floor_s": round(update_floor, 4), "update_vs_floor": round(update_s / update_floor, 2),
             "decode_floor_s": round(decode_floor, 4), "rollout_vs_floor": round(generate_s / decode_floor, 2),
+            "decode_compute_floor_s": round(decode_compute, 4),
+            "rollout_vs_both_floors": round(generate_s / (decode_floor + decode_compute), 2),
             "memory_bandwidth_gbs": bandwidth_gbs, "matmul_peak_gflops": peak_gflops, "replicas": replicas}
 
 

@@ -67,6 +67,13 @@ def test_roofline_floors_follow_the_workload_shape():
     r = bs.roofline(w, 2e9, 1.0, 1.0, 1, update_s=4.0, generate_s=1.0)
     assert r["update_floor_s"] == 2.0 and r["update_vs_floor"] == 2.0
     assert r["decode_floor_s"] == round(bs.decode_bytes(w, 1) / 1e9, 4)
+    # decode FLOPs: 2 per weight per generated token (layers + output projection) plus attention
+    # over P + t positions (4 H hd per position and layer); 8 tokens, then 5 (lengths 1 and 4)
+    attn_positions = 2 * (4 * 3 + 6)
+    assert bs.decode_flops(w) == 2 * params * 8 + 2 * 4 * 2 * 4 * attn_positions
+    assert bs.decode_flops(w, [1, 4]) == 2 * params * 5 + 2 * 4 * 2 * 4 * (3 + 4 * 3 + 6)
+    assert r["decode_compute_floor_s"] == round(bs.decode_flops(w) / 1e9, 4)
+    assert r["rollout_vs_both_floors"] == round(1.0 / (bs.decode_flops(w) / 1e9 + bs.decode_bytes(w, 1) / 1e9), 2)
 
 
 def test_bench_step_real_model_workload_on_a_tiny_gguf(tmp_path):
