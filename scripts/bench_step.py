@@ -295,6 +295,9 @@ def main() -> None:
                          "what each layer keeps for the backward (default nothing: the whole layer is recomputed)")
     ap.add_argument("--vocab-chunk", type=int, default=None,
                     help="stare-jax: model.vocab_chunk (default: the config default)")
+    ap.add_argument("--rollout-devices", type=int, default=0,
+                    help="stare-jax: mesh.rollout_devices, the devices its rollouts decode on (0: the update's "
+                         "mesh; 1: one device with every core inside each matmul, each weight read once a step)")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
     args = ap.parse_args()
@@ -313,6 +316,8 @@ def main() -> None:
         ap.error("--vocab-chunk must be >= 1")
     if args.pack_tokens < 0:
         ap.error("--pack-tokens must be >= 0")
+    if args.rollout_devices < 0:
+        ap.error("--rollout-devices must be >= 0")
     if args.model:
         workload = real_workload(args.model, args.model_cache, args.new_tokens or common.REAL["new_tokens"])
         workload["dtype"] = args.dtype
@@ -338,7 +343,8 @@ def main() -> None:
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
                  dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens,
-                      remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk))]
+                      remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
+                      rollout_devices=args.rollout_devices))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -380,7 +386,7 @@ def main() -> None:
                                                      / (workload["num_prompts"] * workload["group_size"]), 1)
                                             for n, wk in zip([w.name for w in workers], workers)},
                       slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
-                      vocab_chunk=args.vocab_chunk)
+                      vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
                   steps=args.steps, dtype=args.dtype,
                   device=ours.get("device", "cpu"),

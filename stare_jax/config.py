@@ -190,6 +190,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.tensor = 1
     c.mesh.cpu_devices = 0               # CPU backend only: split the host into this many JAX devices
                                          # (0: JAX's default, one); with data=-1 they form the data axis
+    c.mesh.rollout_devices = 0           # 0: rollouts run on the update's mesh; k: on a data-parallel mesh of
+                                         #   the first k devices of each process (CPU: 1 reads each weight once
+                                         #   per decode step with every core inside its matmuls, faster for
+                                         #   models larger than the cache; docs/performance.md)
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""   # "" = single process, or auto-detected on TPU pods
@@ -330,7 +334,7 @@ SCHEMA: dict[str, Field] = {
     "mesh.data": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.fsdp": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.tensor": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
-    "mesh.cpu_devices": _int(0),
+    "mesh.cpu_devices": _int(0), "mesh.rollout_devices": _int(0),
     "distributed.coordinator_address": _STR, "distributed.num_processes": _int(1),
     "distributed.process_id": _int(0),
     "logging.tensorboard": _BOOL, "logging.wandb": _BOOL, "logging.wandb_project": _STR, "logging.progress": _BOOL,
@@ -452,6 +456,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                               f"got {c.data.prompt_batch_size} prompts x {c.rollout.group_size} responses; "
                               f"allowed: responses per step divisible by the {shards} batch shards "
                               f"(mesh.data x mesh.fsdp)")
+        rollout_shards = c.mesh.rollout_devices * c.distributed.num_processes
+        if c.mesh.rollout_devices and (c.mesh.rollout_devices > num_devices // c.distributed.num_processes
+                                       or n_rows % rollout_shards):
+            raise ConfigError("mesh.rollout_devices",
+                              f"got {c.mesh.rollout_devices}; allowed: 0 (the update's mesh) or at most the "
+                              f"{num_devices // c.distributed.num_processes} devices of a process, with the {n_rows} "
+                              f"responses per step divisible by it x the {c.distributed.num_processes} processes")
         if (n_rows // mini) % shards:
             raise ConfigError("ppo.grad_accum",
                               f"micro-batches of {n_rows // mini} responses are not divisible by the {shards} "

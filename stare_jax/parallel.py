@@ -130,6 +130,39 @@ def partial_sum_sharding(mesh: Mesh | None) -> NamedSharding | None:
     return NamedSharding(mesh, P("data"))
 
 
+def rollout_mesh(mesh: Mesh, per_process: int) -> Mesh:
+    """The mesh rollouts decode on: `mesh` itself (`per_process` 0), or a purely data-parallel mesh
+    over the first `per_process` devices of every process of `mesh`.
+
+    A decode step of a model larger than the cache is bound by reading every weight: on a
+    data-parallel mesh each device reads its own replica, so on a CPU host split into one device
+    per core (`mesh.cpu_devices`) one device decoding all rows, with every core inside each matmul,
+    reads each weight once per step instead of once per core (`mesh.rollout_devices`)."""
+    if per_process == 0:
+        return mesh
+    by_process: dict[int, list] = {}
+    for d in mesh.devices.flat:
+        by_process.setdefault(d.process_index, []).append(d)
+    if any(per_process > len(v) for v in by_process.values()):
+        raise ValueError(f"mesh.rollout_devices={per_process} exceeds the "
+                         f"{min(len(v) for v in by_process.values())} devices of a process")
+    chosen = [d for p in sorted(by_process) for d in sorted(by_process[p], key=lambda d: d.id)[:per_process]]
+    return make_mesh(data=len(chosen), devices=chosen)
+
+
+def model_on_mesh(model, mesh: Mesh):
+    """A copy of an NNX model whose arrays are placed on `mesh` by `PARAM_RULES` (and whose `mesh`
+    attribute, where it has one, names it): the model a rollout on another mesh decodes with. The
+    model itself is unchanged."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh)))
+    if hasattr(copy, "mesh"):
+        copy.mesh = mesh
+    return copy
+
+
 def shard_batch(tree, mesh: Mesh):
     """Places a global batch held in full by every process on `mesh`, leading axis split over
     (data, fsdp)."""

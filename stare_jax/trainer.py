@@ -202,6 +202,9 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     With the slot sampler (`rollout.slots`) a generation batch after the first generates only the
     groups it expects to need (`groups_to_generate`: the missing groups over the keep rate seen so
     far in this step), not a whole batch; the sampler's loop ends when those are complete.
+
+    With `mesh.rollout_devices` the sampler decodes on `parallel.rollout_mesh` (a copy of the
+    model's weights placed there once per call); the batch comes back as host arrays either way.
     """
     from stare_jax.rollout import generate
 
@@ -212,6 +215,9 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     reward_stats: dict[str, float] = {}
     gen_batches = 0
     t_generate = t_reward = 0.0
+    if config.mesh.rollout_devices:  # decode on its own mesh (parallel.rollout_mesh)
+        mesh = parallel.rollout_mesh(mesh, config.mesh.rollout_devices)
+        model = parallel.model_on_mesh(model, mesh)
     replicated = parallel.replicated(mesh)
     for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
         prompts = next(data_iter)
@@ -300,6 +306,9 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
     from stare_jax.rollout import generate
 
     n = config.eval.n
+    if config.mesh.rollout_devices:  # decode on its own mesh (parallel.rollout_mesh)
+        mesh = parallel.rollout_mesh(mesh, config.mesh.rollout_devices)
+        model = parallel.model_on_mesh(model, mesh)
     shards = parallel.batch_divisor(mesh)
     hosts = jax.process_count()
     batch = max(1, min(config.eval.max_prompts, 64) // hosts)  # prompts per host per eval batch

@@ -47,6 +47,7 @@ def bench_config(workload: dict):
     c.model.remat = real  # 64 x ~340 tokens x 30 layers of activations need rematerialisation (as TRL's checkpointing)
     c.model.remat_saves = w.get("remat_saves", "nothing")
     c.mesh.cpu_devices = w.get("cpu_devices", 0)  # on CPU: one JAX device per core, rows split over them
+    c.mesh.rollout_devices = w.get("rollout_devices", 0)  # 0: decode on the update's mesh
     c.data.prompt_batch_size = w["num_prompts"]
     c.data.max_prompt_len = w["prompt_len"]
     c.rollout.group_size = w["group_size"]
@@ -177,7 +178,8 @@ def main() -> None:
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
                      "dtype": config.model.dtype, "slots": config.rollout.slots,
-                     "replicas": int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)),
+                     # weight replicas a decode step reads: the rollout mesh's batch shards
+                     "replicas": parallel.batch_divisor(parallel.rollout_mesh(mesh, config.mesh.rollout_devices)),
                      "memory_bandwidth_gbs": common.jax_copy_bandwidth_gbs(),
                      "matmul_peak_gflops": common.matmul_peak_gflops(
                          lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())})

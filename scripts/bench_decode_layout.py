@@ -1,0 +1,90 @@
+"""Decode speed of the real model under different device layouts of the same CPU host.
+
+The rollout of a model whose weights do not fit in cache is bound by the bytes each decode step
+reads. With the host split into one JAX device per core and the rows split over them (`data`),
+every device reads its own replica of every weight each step; on one device (both cores inside
+each matmul) or with the weights split over the devices (`tensor`) each weight is read once.
+This script times `rollout.sampler.generate` on the same prompts, keys and fixed response lengths
+(`stop_lengths`) in each layout, alternating layouts over `--rounds`, and prints JSON: per layout
+the median seconds, seconds per decode step and weight bytes read per step over that time.
+
+    python scripts/bench_decode_layout.py --model runs/bench_models/smollm2 --rows 64 --new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+LAYOUTS = ("data", "one_device", "tensor")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="runs/bench_models/smollm2", help="Hugging Face directory")
+    ap.add_argument("--rows", type=int, default=64, help="responses (8 per prompt)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens every response decodes")
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.cpu_devices}")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+    import numpy as np
+
+    from stare_jax import parallel
+    from stare_jax.models import from_pretrained
+    from stare_jax.rollout.sampler import generate
+
+    devices = jax.devices()
+    meshes = {"data": parallel.make_mesh(data=len(devices), devices=devices),
+              "one_device": parallel.make_mesh(data=1, devices=devices[:1]),
+              "tensor": parallel.make_mesh(data=1, tensor=len(devices), devices=devices)}
+    layouts = [s for s in args.layouts.split(",") if s]
+    policies = {k: from_pretrained(args.model, mesh=meshes[k], load_tokenizer=False) for k in layouts}
+    group = 8
+    B = args.rows // group
+    rng = np.random.default_rng(0)
+    vocab = policies[layouts[0]].model.config.vocab_size
+    ids = rng.integers(100, vocab, size=(B, args.prompt_len)).astype(np.int32)
+    mask = np.ones_like(ids)
+    stop = np.full((args.rows,), args.new_tokens, np.int32)
+    key = jax.random.key(0)
+
+    def run(k):
+        t0 = time.perf_counter()
+        out = generate(policies[k], ids, mask, rng=key, group_size=group, max_new_tokens=args.new_tokens,
+                       eos_ids=(0,), stop_lengths=stop)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0, out
+
+    first = {}
+    for k in layouts:  # compile
+        first[k] = run(k)[1]
+    times = {k: [] for k in layouts}
+    for r in range(args.rounds):
+        for k in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
+            times[k].append(run(k)[0])
+    ref = np.asarray(first[layouts[0]].response_ids)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(policies[layouts[0]].model)
+                   if hasattr(x, "size"))
+    out = {"cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t"),
+           "devices": len(devices), "rows": args.rows, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+           "params": int(n_params), "layouts": {}}
+    for k in layouts:
+        med = statistics.median(times[k])
+        out["layouts"][k] = {"median_s": round(med, 3), "all_s": [round(t, 3) for t in times[k]],
+                             "s_per_step": round(med / args.new_tokens, 4),
+                             "same_tokens_as_first": bool(np.array_equal(np.asarray(first[k].response_ids), ref))}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
