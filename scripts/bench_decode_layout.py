@@ -33,10 +33,10 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.cpu_devices}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
+
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     import numpy as np
 
     from stare_jax import parallel
@@ -53,7 +53,7 @@ def main() -> None:
     B = args.rows // group
     rng = np.random.default_rng(0)
     vocab = policies[layouts[0]].model.config.vocab_size
-    ids = rng.integers(100, vocab, size=(B, args.prompt_len)).astype(np.int32)
+    ids = rng.integers(3, vocab, size=(B, args.prompt_len)).astype(np.int32)
     mask = np.ones_like(ids)
     stop = np.full((args.rows,), args.new_tokens, np.int32)
     key = jax.random.key(0)

@@ -148,3 +148,17 @@ def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
     assert {(x["chunk"], x["dw"]) for x in rows} == {(c, d) for c in (16, 97)
                                                       for d in ("allreduce_in_loop", "per_device_partials")}
     assert all(x["median_s"] > 0 and len(x["times_s"]) == 1 and x["devices"] == 2 for x in rows)
+
+
+def test_bench_decode_layout_times_each_layout(tiny_model):
+    """The decode-layout benchmark runs the same rollout on the data-parallel, one-device and
+    tensor-parallel layouts of a 2-device host and reports each one's time per decode step."""
+    model_dir, _ = tiny_model
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_layout.py"), "--model", model_dir,
+                        "--rows", "8", "--new-tokens", "3", "--prompt-len", "4", "--rounds", "1", "--cpu-devices", "2"],
+                       cwd=ROOT, env=subprocess_env(2), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["devices"] == 2 and set(out["layouts"]) == {"data", "one_device", "tensor"}
+    assert all(v["median_s"] > 0 and len(v["all_s"]) == 1 for v in out["layouts"].values())
+    assert out["layouts"]["data"]["same_tokens_as_first"]
