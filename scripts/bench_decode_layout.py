@@ -6,7 +6,9 @@ every device reads its own replica of every weight each step; on one device (bot
 each matmul) or with the weights split over the devices (`tensor`) each weight is read once.
 This script times `rollout.sampler.generate` on the same prompts, keys and fixed response lengths
 (`stop_lengths`) in each layout, alternating layouts over `--rounds`, and prints JSON: per layout
-the median seconds, seconds per decode step and weight bytes read per step over that time.
+the median and every round's seconds, seconds per decode step, and whether its tokens equal the
+first layout's. `one_device` is what `mesh.rollout_devices = 1` decodes on
+(`parallel.rollout_placement` of the data-parallel model).
 
     python scripts/bench_decode_layout.py --model runs/bench_models/smollm2 --rows 64 --new-tokens 64
 """
@@ -33,7 +35,10 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "bench_peers"))
+    sys.path.insert(0, os.path.dirname(here))
+    import common
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -44,15 +49,18 @@ def main() -> None:
     from stare_jax.rollout.sampler import generate
 
     devices = jax.devices()
-    meshes = {"data": parallel.make_mesh(data=len(devices), devices=devices),
-              "one_device": parallel.make_mesh(data=1, devices=devices[:1]),
-              "tensor": parallel.make_mesh(data=1, tensor=len(devices), devices=devices)}
+    data = parallel.make_mesh(data=len(devices), devices=devices)
     layouts = [s for s in args.layouts.split(",") if s]
-    policies = {k: from_pretrained(args.model, mesh=meshes[k], load_tokenizer=False) for k in layouts}
+    policies = {"data": from_pretrained(args.model, mesh=data, load_tokenizer=False).model}
+    if "one_device" in layouts:
+        policies["one_device"] = parallel.rollout_placement(policies["data"], data, 1)[0]
+    if "tensor" in layouts:
+        tensor = parallel.make_mesh(data=1, tensor=len(devices), devices=devices)
+        policies["tensor"] = from_pretrained(args.model, mesh=tensor, load_tokenizer=False).model
     group = 8
     B = args.rows // group
     rng = np.random.default_rng(0)
-    vocab = policies[layouts[0]].model.config.vocab_size
+    vocab = policies[layouts[0]].config.vocab_size
     ids = rng.integers(3, vocab, size=(B, args.prompt_len)).astype(np.int32)
     mask = np.ones_like(ids)
     stop = np.full((args.rows,), args.new_tokens, np.int32)
@@ -73,9 +81,8 @@ def main() -> None:
         for k in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
             times[k].append(run(k)[0])
     ref = np.asarray(first[layouts[0]].response_ids)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(policies[layouts[0]].model)
-                   if hasattr(x, "size"))
-    out = {"cpu": open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t"),
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(policies[layouts[0]]) if hasattr(x, "size"))
+    out = {"cpu": common.host_cpu(),
            "devices": len(devices), "rows": args.rows, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
            "params": int(n_params), "layouts": {}}
     for k in layouts:

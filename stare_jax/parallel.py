@@ -150,6 +150,15 @@ def rollout_mesh(mesh: Mesh, per_process: int) -> Mesh:
     return make_mesh(data=len(chosen), devices=chosen)
 
 
+def rollout_placement(model, mesh: Mesh, per_process: int):
+    """(model, mesh) a rollout decodes with: the update's own when `per_process` is 0, else
+    `rollout_mesh(mesh, per_process)` and the model's copy placed there (`model_on_mesh`)."""
+    if per_process == 0:
+        return model, mesh
+    target = rollout_mesh(mesh, per_process)
+    return model_on_mesh(model, target), target
+
+
 def model_on_mesh(model, mesh: Mesh):
     """A copy of an NNX model whose arrays are placed on `mesh` by `PARAM_RULES` (and whose `mesh`
     attribute, where it has one, names it): the model a rollout on another mesh decodes with. The

@@ -215,9 +215,7 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
     reward_stats: dict[str, float] = {}
     gen_batches = 0
     t_generate = t_reward = 0.0
-    if config.mesh.rollout_devices:  # decode on its own mesh (parallel.rollout_mesh)
-        mesh = parallel.rollout_mesh(mesh, config.mesh.rollout_devices)
-        model = parallel.model_on_mesh(model, mesh)
+    model, mesh = parallel.rollout_placement(model, mesh, config.mesh.rollout_devices)
     replicated = parallel.replicated(mesh)
     for gen in range(ds.max_num_gen_batches if ds.enabled else 1):
         prompts = next(data_iter)
@@ -306,9 +304,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
     from stare_jax.rollout import generate
 
     n = config.eval.n
-    if config.mesh.rollout_devices:  # decode on its own mesh (parallel.rollout_mesh)
-        mesh = parallel.rollout_mesh(mesh, config.mesh.rollout_devices)
-        model = parallel.model_on_mesh(model, mesh)
+    model, mesh = parallel.rollout_placement(model, mesh, config.mesh.rollout_devices)
     shards = parallel.batch_divisor(mesh)
     hosts = jax.process_count()
     batch = max(1, min(config.eval.max_prompts, 64) // hosts)  # prompts per host per eval batch

@@ -7,6 +7,7 @@ import pytest
 
 from stare_jax import config as config_lib
 from stare_jax import parallel
+from stare_jax.compilation import CompilationCounter
 
 PAD = 0
 
@@ -65,6 +66,10 @@ def test_collect_batch_on_the_rollout_mesh_equals_the_update_mesh(tiny_model, ro
                              eos_ids=(1,), pad_id=PAD, mesh=mesh)[0]
 
     ref, got = batch_with(0), batch_with(rollout_devices)
+    counter = CompilationCounter()
+    again = batch_with(rollout_devices)  # next step: the weights are placed again, nothing compiles
+    assert counter.take() == 0
+    np.testing.assert_array_equal(again["input_ids"], got["input_ids"])
     for k in ("input_ids", "attention_mask", "response_mask", "rewards"):
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
     np.testing.assert_allclose(got["old_log_probs"], ref["old_log_probs"], atol=1e-5)
