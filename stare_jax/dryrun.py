@@ -26,7 +26,10 @@ buffers and is a lower bound (STACK_NOTES.md, "Memory analysis"); the verdict sa
 line printed is one JSON object with every figure.
 
 The sampler's footprint also counts the train state it does not take as an argument (AdamW
-moments, controller), which stays on the device while sampling. `--explain K` lists the K largest
+moments, controller), which stays on the device while sampling. With `mesh.rollout_devices` = k the
+samplers compile on the rollout mesh (the first k devices of each of `distributed.num_processes`
+processes, data-parallel) with a copy of the policy there, and the whole train state counts as
+resident beside it. `--explain K` lists the K largest
 temporary buffers of each program from XLA's buffer assignment, which is how one finds what to
 change (docs/dryrun.md shows an example).
 
@@ -325,10 +328,26 @@ def eval_sampler_shape(config, batch_divisor: int, processes: int = 1) -> Sample
                         float(config.eval.temperature), float(config.eval.top_p), 0)
 
 
+def simulated_rollout_mesh(mesh, per_process: int, processes: int):
+    """The mesh `mesh.rollout_devices` = `per_process` gives the rollouts (`parallel.rollout_mesh`:
+    the first `per_process` devices of every process, data-parallel), with the dry run's one process
+    standing for `processes` processes that each own a block of consecutive device ids. `mesh`
+    itself when `per_process` is 0."""
+    from stare_jax import parallel
+
+    if per_process == 0:
+        return mesh
+    devices = sorted(mesh.devices.flat, key=lambda d: d.id)
+    block = len(devices) // processes
+    chosen = [d for p in range(processes) for d in devices[p * block:p * block + per_process]]
+    return parallel.make_mesh(data=len(chosen), devices=chosen)
+
+
 def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     """Lowers and compiles the sampler (`stare_jax.rollout.sampler._compiled_rollout`, the jitted
-    `grouped_rollout` that `generate` calls) for `shape`, on the policy as it is sharded in the train
-    state, with replicated prompts and key as `generate` passes them.
+    `grouped_rollout` that `generate` calls) for `shape` on `mesh` (the update's mesh, or the rollout
+    mesh of `mesh.rollout_devices`), on the policy sharded there by the parameter rules, with
+    replicated prompts and key as `generate` passes them.
     Returns (compiled, lower s, compile s, per-device bytes of the policy)."""
     import jax
     import jax.numpy as jnp
@@ -338,7 +357,10 @@ def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     from stare_jax.rollout.sampler import RolloutSpec, _compiled_rollout, auto_segments
     from stare_jax.rollout.sampling import SamplingParams
 
-    graphdef, model_state = nnx.split(abstract_ts.model)
+    model = nnx.merge(*nnx.split(abstract_ts.model))  # a copy: the update's abstract model keeps its mesh
+    if hasattr(model, "mesh"):
+        model.mesh = mesh  # as parallel.model_on_mesh names the mesh the copy decodes on
+    graphdef, model_state = nnx.split(model)
     model_state = with_shardings(model_state, parallel.param_shardings(model_state, mesh))
     eos_ids = tuple(cfg.eos_token_ids)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
@@ -423,6 +445,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     P, R = int(config.data.max_prompt_len), int(config.rollout.max_new_tokens)
     K = int(config.ppo.num_minibatches) * int(config.ppo.grad_accum)
     shards = parallel.batch_divisor(mesh)
+    rollout_devices = int(config.mesh.rollout_devices)
+    rmesh = simulated_rollout_mesh(mesh, rollout_devices, int(config.distributed.num_processes))
 
     def say(text=""):
         """One line of the human-readable report."""
@@ -436,6 +460,9 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     say(f"  step: {B} prompts x {G} responses = {B * G} rows, prompt {P} + response {R} tokens; "
         f"{B * G // shards} rows per batch shard, update in {K} micro-batch(es) of {B * G // K // shards} rows "
         f"per shard")
+    if rollout_devices:
+        say(f"  rollouts decode on mesh.rollout_devices={rollout_devices}: a data-parallel mesh of "
+            f"{rmesh.devices.size} device(s) holding a copy of the policy beside the train state")
     if placeholders:
         say(f"  ({', '.join(placeholders)} not needed: no weights or data are read)")
 
@@ -453,6 +480,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         "config": args.config, "architecture": source, "num_parameters": num_parameters(cfg),
         "devices": args.devices, "chip": args.chip, "hbm_bytes": int(hbm),
         "mesh": {a: int(mesh.shape[a]) for a in parallel.MESH_AXES},
+        "rollout_mesh": {a: int(rmesh.shape[a]) for a in parallel.MESH_AXES},
         "shape": {"prompts": B, "group_size": G, "rows": B * G, "prompt_len": P, "response_len": R,
                   "micro_batches": K, "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
                   "remat": bool(config.model.remat), "remat_saves": config.model.remat_saves},
@@ -462,7 +490,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     samplers = {"rollout": training_sampler_shape(config)}
     if "eval" in args.phases:
         if config.eval.enabled:
-            samplers["eval"] = eval_sampler_shape(config, shards, args.processes)
+            samplers["eval"] = eval_sampler_shape(config, parallel.batch_divisor(rmesh), args.processes)
         else:
             say("  eval: skipped (eval.enabled is False)")
     dump_dir = getattr(args, "dump_dir", None)
@@ -485,9 +513,11 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
             continue
         say(f"  {name} sampler (grouped_rollout: prefill + KV-cache decode): {shape.prompts} prompts x "
             f"{shape.group_size} = {shape.prompts * shape.group_size} rows of {shape.max_new_tokens} tokens ...")
-        # The rest of the train state (AdamW moments, controller, reference) stays on the device while sampling.
-        resident = state_total - parts["params"]
-        fig = measure(name, lambda: compile_rollout(shape, cfg, abstract_ts, mesh), resident)
+        # The rest of the train state (AdamW moments, controller, reference) stays on the device while
+        # sampling; on a rollout mesh of its own the sampler's policy is a copy, so the state's own
+        # parameters stay too.
+        resident = state_total - (0 if rollout_devices else parts["params"])
+        fig = measure(name, lambda: compile_rollout(shape, cfg, abstract_ts, rmesh), resident)
         fig["rows"] = shape.prompts * shape.group_size
     if "update" in args.phases:
         say("  update step (forward + backward + AdamW) ...")

@@ -151,11 +151,14 @@ def rollout_mesh(mesh: Mesh, per_process: int) -> Mesh:
 
 
 def rollout_placement(model, mesh: Mesh, per_process: int):
-    """(model, mesh) a rollout decodes with: the update's own when `per_process` is 0, else
-    `rollout_mesh(mesh, per_process)` and the model's copy placed there (`model_on_mesh`)."""
+    """(model, mesh) a rollout decodes with: the update's own when `per_process` is 0 or when
+    `rollout_mesh(mesh, per_process)` is that mesh (a data-parallel mesh of exactly those devices,
+    as one device is), else that rollout mesh and the model's copy placed there (`model_on_mesh`)."""
     if per_process == 0:
         return model, mesh
     target = rollout_mesh(mesh, per_process)
+    if target == mesh:
+        return model, mesh  # no copy: the update's placement already is the rollout's
     return model_on_mesh(model, target), target
 
 

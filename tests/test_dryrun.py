@@ -37,6 +37,11 @@ ABSURD_ARGS = ["--config", os.path.join(ROOT, "configs", "quickstart.py"), "--de
                "--config.data.prompt_batch_size=64", "--config.rollout.max_new_tokens=1000000"]
 
 
+# The tiny 7B-config run with its rollouts on a data-parallel mesh of 2 of the 8 devices.
+ROLLOUT_MESH_ARGS = [a for a in TINY_ARGS if a not in ("--explain", "3")] + [
+    "--phases", "rollout,eval", "--config.mesh.rollout_devices=2"]
+
+
 def _start(args):
     return subprocess.Popen([sys.executable, "-m", "stare_jax.dryrun", *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -54,7 +59,7 @@ def _report(out: str) -> dict:
 @pytest.fixture(scope="module")
 def dry_runs():
     """Both compiling dry runs, started together (one compiles while the other traces)."""
-    procs = {"tiny": _start(TINY_ARGS), "absurd": _start(ABSURD_ARGS)}
+    procs = {"tiny": _start(TINY_ARGS), "absurd": _start(ABSURD_ARGS), "rollout_mesh": _start(ROLLOUT_MESH_ARGS)}
     return {name: _finish(p) for name, p in procs.items()}
 
 
@@ -82,6 +87,26 @@ def test_tiny_preset_compiles_both_phases_on_8_devices(dry_runs):
     # --explain: the largest temporary buffers, from XLA's buffer assignment
     biggest = report["phases"]["update"]["largest_temp_buffers"]
     assert 0 < len(biggest) <= 3 and biggest[0]["bytes"] >= biggest[-1]["bytes"] > 0 and "[" in biggest[0]["shape"]
+
+
+def test_rollout_devices_compile_the_samplers_on_their_own_mesh(dry_runs):
+    """mesh.rollout_devices=2: both samplers compile on a data-parallel mesh of 2 devices, each
+    holding a whole copy of the policy (not an FSDP shard), with the whole train state resident."""
+    rc, out, err = dry_runs["rollout_mesh"]
+    assert rc == 0, err[-3000:]
+    report, tiny = _report(out), _report(dry_runs["tiny"][1])
+    assert report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert report["rollout_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert tiny["rollout_mesh"] == tiny["mesh"]
+    state = report["state_bytes_per_device"]
+    assert state == tiny["state_bytes_per_device"]
+    n = presets.num_parameters(presets.preset_config("tiny"))
+    for name in ("rollout", "eval"):
+        phase = report["phases"][name]
+        assert phase["resident_other_bytes"] == state["total"]
+        assert phase["argument_bytes"] >= n * 4 > 2 * state["params"]  # a full float32 copy vs an 8th
+    assert report["phases"]["rollout"]["argument_bytes"] > tiny["phases"]["rollout"]["argument_bytes"]
+    assert "rollout_devices=2" in out
 
 
 def test_absurd_config_does_not_fit(dry_runs):

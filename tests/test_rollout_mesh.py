@@ -25,6 +25,25 @@ def test_rollout_mesh_takes_the_first_devices_of_each_process():
         parallel.rollout_mesh(mesh, 5)
 
 
+def test_rollout_placement_copies_nothing_when_the_mesh_already_is_the_rollout_mesh():
+    """On one device, or a data-parallel mesh of exactly the rollout's devices, the rollout decodes
+    the update's own model (no second copy of the weights); otherwise a copy on the rollout mesh."""
+    from flax import nnx
+
+    from stare_jax.models import ModelConfig, build_model
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=16, intermediate_size=32,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    for devices, per_process, copies in ((1, 1, False), (2, 2, False), (2, 1, True)):
+        mesh = parallel.make_mesh(data=devices, devices=jax.devices()[:devices])
+        model = build_model(cfg, seed=0, mesh=mesh)
+        got, got_mesh = parallel.rollout_placement(model, mesh, per_process)
+        assert (got is not model) == copies and (got_mesh is not mesh) == copies
+        if copies:
+            leaf = jax.tree_util.tree_leaves(nnx.state(got))[0]
+            assert {d.id for d in leaf.sharding.device_set} == {jax.devices()[0].id}
+
+
 def test_config_refuses_rollout_devices_that_do_not_fit():
     c = config_lib.default_config()
     c.data.prompt_batch_size, c.rollout.group_size = 3, 2  # 6 responses a step
