@@ -8,7 +8,8 @@ for each `--setting` (config overrides as JSON, applied on top of the benchmark'
 e.g. '{"model.remat_saves": "projections"}'), `--reps` times each (the first includes compilation),
 one setting after another in the same process. With `--profile DIR` the last update of each
 setting runs under `jax.profiler.trace` and the printed summary adds each device's time by XLA
-op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times.
+op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times. `--cpu-devices 1`
+runs every setting on a single JAX CPU device (default: one per core, the rows data-parallel).
 
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
@@ -95,6 +96,9 @@ def main() -> None:
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"),
                     help="the sampled batch, written on first use and reused")
     ap.add_argument("--profile", default="", help="trace the last update of each setting into DIR/<index>")
+    ap.add_argument("--cpu-devices", type=int, default=0,
+                    help="mesh.cpu_devices: JAX CPU devices the host is split into (0: one per core; 1: a "
+                         "single device with every core inside each op)")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
@@ -112,7 +116,7 @@ def main() -> None:
     from stare_jax.distributed import cpu_devices_per_core
 
     workload.update(loss="stare", pack_tokens=args.pack_tokens,
-                    cpu_devices=cpu_devices_per_core(workload["num_prompts"]))
+                    cpu_devices=args.cpu_devices or cpu_devices_per_core(workload["num_prompts"]))
     base = ours_peer.bench_config(workload)
     distributed.initialize(base)
     import jax
