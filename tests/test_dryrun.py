@@ -58,7 +58,7 @@ def _report(out: str) -> dict:
 
 @pytest.fixture(scope="module")
 def dry_runs():
-    """Both compiling dry runs, started together (one compiles while the other traces)."""
+    """The three compiling dry runs, started together (one compiles while another traces)."""
     procs = {"tiny": _start(TINY_ARGS), "absurd": _start(ABSURD_ARGS), "rollout_mesh": _start(ROLLOUT_MESH_ARGS)}
     return {name: _finish(p) for name, p in procs.items()}
 
