@@ -329,18 +329,13 @@ def eval_sampler_shape(config, batch_divisor: int, processes: int = 1) -> Sample
 
 
 def simulated_rollout_mesh(mesh, per_process: int, processes: int):
-    """The mesh `mesh.rollout_devices` = `per_process` gives the rollouts (`parallel.rollout_mesh`:
-    the first `per_process` devices of every process, data-parallel), with the dry run's one process
-    standing for `processes` processes that each own a block of consecutive device ids. `mesh`
-    itself when `per_process` is 0."""
+    """The mesh `mesh.rollout_devices` = `per_process` gives the rollouts (`parallel.rollout_mesh`),
+    with the dry run's one process standing for `processes` processes that each own a block of
+    consecutive device ids."""
     from stare_jax import parallel
 
-    if per_process == 0:
-        return mesh
-    devices = sorted(mesh.devices.flat, key=lambda d: d.id)
-    block = len(devices) // processes
-    chosen = [d for p in range(processes) for d in devices[p * block:p * block + per_process]]
-    return parallel.make_mesh(data=len(chosen), devices=chosen)
+    block = mesh.devices.size // processes
+    return parallel.rollout_mesh(mesh, per_process, process_of=lambda d: d.id // block)
 
 
 def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):

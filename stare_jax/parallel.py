@@ -8,7 +8,7 @@ Batches are split over `("data", "fsdp")`.
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -130,9 +130,10 @@ def partial_sum_sharding(mesh: Mesh | None) -> NamedSharding | None:
     return NamedSharding(mesh, P("data"))
 
 
-def rollout_mesh(mesh: Mesh, per_process: int) -> Mesh:
+def rollout_mesh(mesh: Mesh, per_process: int, process_of: Callable[[Any], int] | None = None) -> Mesh:
     """The mesh rollouts decode on: `mesh` itself (`per_process` 0), or a purely data-parallel mesh
-    over the first `per_process` devices of every process of `mesh`.
+    over the first `per_process` devices of every process of `mesh` (`process_of(device)`, default
+    its `process_index`; the dry run passes one that simulates several processes).
 
     A decode step of a model larger than the cache is bound by reading every weight: on a
     data-parallel mesh each device reads its own replica, so on a CPU host split into one device
@@ -142,7 +143,7 @@ def rollout_mesh(mesh: Mesh, per_process: int) -> Mesh:
         return mesh
     by_process: dict[int, list] = {}
     for d in mesh.devices.flat:
-        by_process.setdefault(d.process_index, []).append(d)
+        by_process.setdefault(process_of(d) if process_of else d.process_index, []).append(d)
     if any(per_process > len(v) for v in by_process.values()):
         raise ValueError(f"mesh.rollout_devices={per_process} exceeds the "
                          f"{min(len(v) for v in by_process.values())} devices of a process")
