@@ -10,7 +10,8 @@ devices laid out as the config's mesh (`mesh.*`, one axis may be -1):
   prompts of `data.max_prompt_len` tokens, `rollout.group_size` responses of `rollout.max_new_tokens`;
 * the update step: `stare_jax.rl.update.make_update_step` on the full batch of prompts x responses;
 * with `--phases ...,eval`, also the evaluation sampler (eval.n responses per prompt, the prompt
-  batch of `trainer.evaluate_model`, times `--processes` hosts).
+  batch of `trainer.evaluate_model`, times the run's host count: `--processes`, which sets
+  `distributed.num_processes`, else the config's).
 
 Every argument is abstract: the train state comes from `nnx.eval_shape` (parameters, AdamW moments,
 controller) with the partition rules' shardings, the batch and the rng are `jax.ShapeDtypeStruct`s
@@ -84,8 +85,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--phases", default="rollout,update",
                    help="comma-separated subset of rollout,update,eval to compile (default rollout,update; "
                         "eval = the evaluation sampler, eval.n responses per prompt)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="host processes of the run, for the eval sampler's batch (each host adds its prompts)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="host processes of the run (sets distributed.num_processes, default the config's): the "
+                        "eval sampler's batch (each host adds its prompts) and, with mesh.rollout_devices, the "
+                        "rollout mesh")
     p.add_argument("--strict", action="store_true", help="exit 3 when the config does not fit the chip")
     p.add_argument("--explain", type=int, default=0, metavar="K",
                    help="also list the K largest temporary buffers of each program (from XLA's buffer assignment)")
@@ -98,10 +101,25 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not phases or any(x not in PHASES for x in phases):
         p.error("--phases must be a comma-separated subset of " + ",".join(PHASES))
-    if args.processes < 1:
-        p.error("--processes must be >= 1")
+    if args.processes is not None:
+        if args.processes < 1:
+            p.error("--processes must be >= 1")
+        rest = with_process_count(rest, args.processes, p.error)
     args.phases = phases
     return args, rest
+
+
+def with_process_count(overrides: list[str], processes: int, error) -> list[str]:
+    """The overrides with `--config.distributed.num_processes=processes` added, so the eval batch, the
+    rollout mesh and the config checks all read one host count; `error(message)` when the overrides
+    already set a different one."""
+    key = "--config.distributed.num_processes="
+    given = [a[len(key):] for a in overrides if a.startswith(key)]
+    if not given:
+        return [*overrides, f"{key}{processes}"]
+    if any(g.strip() != str(processes) for g in given):
+        error(f"--processes {processes} disagrees with {key}{given[-1]}: give one of them")
+    return overrides
 
 
 def force_cpu_devices(n: int, dump_dir: str | None = None) -> None:
@@ -485,7 +503,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     samplers = {"rollout": training_sampler_shape(config)}
     if "eval" in args.phases:
         if config.eval.enabled:
-            samplers["eval"] = eval_sampler_shape(config, parallel.batch_divisor(rmesh), args.processes)
+            samplers["eval"] = eval_sampler_shape(config, parallel.batch_divisor(rmesh),
+                                                  int(config.distributed.num_processes))
         else:
             say("  eval: skipped (eval.enabled is False)")
     dump_dir = getattr(args, "dump_dir", None)

@@ -37,9 +37,10 @@ ABSURD_ARGS = ["--config", os.path.join(ROOT, "configs", "quickstart.py"), "--de
                "--config.data.prompt_batch_size=64", "--config.rollout.max_new_tokens=1000000"]
 
 
-# The tiny 7B-config run with its rollouts on a data-parallel mesh of 2 of the 8 devices.
+# The tiny 7B-config run as 2 host processes of 4 devices, each decoding its rollouts on 2 of them
+# (a data-parallel rollout mesh of 4 devices).
 ROLLOUT_MESH_ARGS = [a for a in TINY_ARGS if a not in ("--explain", "3")] + [
-    "--phases", "rollout,eval", "--config.mesh.rollout_devices=2"]
+    "--phases", "rollout,eval", "--config.mesh.rollout_devices=2", "--processes", "2"]
 
 
 def _start(args):
@@ -90,13 +91,14 @@ def test_tiny_preset_compiles_both_phases_on_8_devices(dry_runs):
 
 
 def test_rollout_devices_compile_the_samplers_on_their_own_mesh(dry_runs):
-    """mesh.rollout_devices=2: both samplers compile on a data-parallel mesh of 2 devices, each
-    holding a whole copy of the policy (not an FSDP shard), with the whole train state resident."""
+    """mesh.rollout_devices=2 on each of 2 processes (`--processes 2`): both samplers compile on a
+    data-parallel mesh of 4 devices, each holding a whole copy of the policy (not an FSDP shard), with
+    the whole train state resident; the eval sampler takes both hosts' prompts."""
     rc, out, err = dry_runs["rollout_mesh"]
     assert rc == 0, err[-3000:]
     report, tiny = _report(out), _report(dry_runs["tiny"][1])
     assert report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert report["rollout_mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert report["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
     assert tiny["rollout_mesh"] == tiny["mesh"]
     state = report["state_bytes_per_device"]
     assert state == tiny["state_bytes_per_device"]
@@ -127,6 +129,28 @@ def test_config_errors_exit_2_naming_the_key(args, key):
     rc, out, err = _finish(_start(["--config", PAPER_7B, *args]), timeout=120)
     assert rc == 2, (out, err)
     assert key in err and len(err.strip().splitlines()) == 1
+
+
+def test_processes_set_the_configs_host_count_once():
+    """`--processes H` becomes distributed.num_processes (which the config checks, the eval batch and
+    the rollout mesh read); beside a different --config.distributed.num_processes it is an error."""
+    from stare_jax import dryrun
+
+    def error(message):
+        raise ValueError(message)
+
+    assert dryrun.with_process_count(["--config.a=1"], 4, error) == [
+        "--config.a=1", "--config.distributed.num_processes=4"]
+    same = ["--config.distributed.num_processes=4"]
+    assert dryrun.with_process_count(same, 4, error) == same
+    with pytest.raises(ValueError, match="disagrees"):
+        dryrun.with_process_count(["--config.distributed.num_processes=2"], 4, error)
+    # 64 prompts of the 7B config are not a multiple of 3 hosts: the config check names the key.
+    rc, out, err = _finish(_start(["--config", PAPER_7B, "--devices", "6", "--processes", "3"]), timeout=120)
+    assert rc == 2 and "distributed.num_processes (3)" in err, (out, err)
+    rc, out, err = _finish(_start(["--config", PAPER_7B, "--devices", "8", "--processes", "2",
+                                   "--config.distributed.num_processes=4"]), timeout=120)
+    assert rc == 2 and "disagrees" in err, (out, err)
 
 
 def test_presets_parse_with_published_sizes():
