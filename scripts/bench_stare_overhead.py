@@ -12,12 +12,17 @@ two run in separate processes a few percent apart. Prints one JSON line:
     update_cpu_overhead the same from process CPU time (immune to time stolen by a VM's host)
     step_overhead       (median stare - median grpo) / (rollout + median stare)
 
-    python scripts/bench_stare_overhead.py [--large] [--rounds 15] [--cpu-devices N] [--pe-metrics]
+    python scripts/bench_stare_overhead.py [--large] [--rounds 15] [--cpu-devices N] [--pe-metrics | --cpu-matmuls]
 
 With `--pe-metrics` the two alternating steps are STARE's with and without the polarity-entropy
 metrics (`pe_quad_*`, issue 18): the second is the same step traced with
 `diagnostics.polarity_entropy_diagnostics` returning nothing, so XLA drops the quadrant masks too.
 The keys then read `with_update_s`, `without_update_s`, and the overheads are with / without - 1.
+
+With `--cpu-matmuls` the two are STARE's step compiled as the trainer compiles it on CPU (Eigen
+matmuls, `update.CPU_UPDATE_COMPILER_OPTIONS`) and with XLA:CPU's default XNNPACK/YNNPACK fusions
+(`make_update_step(..., cpu_options=False)`): keys `eigen_update_s`, `xnnpack_update_s`, overheads
+eigen / xnnpack - 1 (negative: the shipped choice is the faster on this host).
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
     ap.add_argument("--pe-metrics", action="store_true",
                     help="time STARE's step with vs without the pe_quad_* metrics instead of STARE vs GRPO")
+    ap.add_argument("--cpu-matmuls", action="store_true",
+                    help="time STARE's step with the shipped Eigen matmuls vs XLA:CPU's XNNPACK fusions instead")
     args = ap.parse_args()
+    if args.pe_metrics and args.cpu_matmuls:
+        ap.error("--pe-metrics and --cpu-matmuls are different comparisons: pick one")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     from stare_jax.distributed import cpu_devices_per_core
@@ -57,7 +66,7 @@ def main() -> None:
         workload["checkpoint"] = os.path.join(tmp, "model")
         subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
                        + (["--large"] if args.large else []), check=True, stdout=subprocess.DEVNULL)
-        print(json.dumps(measure(workload, args.rounds, pe_metrics=args.pe_metrics)))
+        print(json.dumps(measure(workload, args.rounds, pe_metrics=args.pe_metrics, cpu_matmuls=args.cpu_matmuls)))
 
 
 def _without_pe_metrics():
@@ -69,7 +78,7 @@ def _without_pe_metrics():
     return mock.patch.object(update, "polarity_entropy_diagnostics", lambda *a, **k: {})
 
 
-def measure(workload: dict, rounds: int, pe_metrics: bool = False) -> dict:
+def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: bool = False) -> dict:
     """Builds both update steps on one sampled batch and times them alternately (see the module doc)."""
     import contextlib
 
@@ -86,6 +95,10 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False) -> dict:
         names = ("with", "without")
         configs = {n: ours_peer.bench_config(dict(workload, loss="stare")) for n in names}
         trace_ctx = {"with": contextlib.nullcontext, "without": _without_pe_metrics}
+    elif cpu_matmuls:  # the same STARE config twice; the second compiled without the CPU update options
+        names = ("eigen", "xnnpack")
+        configs = {n: ours_peer.bench_config(dict(workload, loss="stare")) for n in names}
+        trace_ctx = {n: contextlib.nullcontext for n in names}
     else:
         names = ("stare", "grpo")
         configs = {loss: ours_peer.bench_config(dict(workload, loss=loss)) for loss in names}
@@ -98,7 +111,7 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False) -> dict:
         policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
                                  scan_layers=config.model.scan_layers)
         state = create_train_state(policy.model, config, mesh=mesh)
-        steps[loss] = [make_update_step(config, mesh, state), nnx.state(state)]
+        steps[loss] = [make_update_step(config, mesh, state, cpu_options=loss != "xnnpack"), nnx.state(state)]
     sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
                               scan_layers=configs[first].model.scan_layers)  # the updates donate their weights
     ids, _, _ = common.prompts(workload)
@@ -148,11 +161,12 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False) -> dict:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     a, b = med(wall[first]), med(wall[second])
     return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": rounds,
-            "devices": jax.device_count(), "compared": f"{first} vs {second}" + (" pe_quad metrics" if pe_metrics else ""),
+            "devices": jax.device_count(), "compared": f"{first} vs {second}" + (" pe_quad metrics" if pe_metrics else "")
+            + (" CPU matmuls" if cpu_matmuls else ""),
             f"{first}_update_s": round(a, 4), f"{second}_update_s": round(b, 4), "rollout_s": round(med(rollout_s), 4),
             "update_overhead": round(med([x / y - 1 for x, y in zip(wall[first], wall[second])]), 4),
             "update_cpu_overhead": round(med([x / y - 1 for x, y in zip(cpu[first], cpu[second])]), 4),
-            "step_overhead": round((a - b) / (med(rollout_s) + a), 4)}
+            "step_overhead": round((a - b) / (med(rollout_s) + a), 4), "host_cpu": common.host_cpu()}
 
 
 if __name__ == "__main__":
