@@ -12,9 +12,10 @@ time, with the order rotated every round, so that the machine's drift affects al
 Medians over `--steps` rounds. `--protocol blocks` runs each participant's `--steps` steps back to
 back instead (participants in turn), as a training run alternates its own rollout and update with
 no other process in between; the machine's drift then falls unevenly, so compare it with an
-alternating invocation, not on its own (`step_schedule`). On CPU stare-jax splits the host into one JAX device per core
-(`mesh.cpu_devices`, `--cpu-devices`); the peers use their own defaults (TRL: torch's threads
-over all cores; Tunix: one JAX device, or `--tunix-devices N` for an (fsdp, tp) = (N, 1) mesh).
+alternating invocation, not on its own (`step_schedule`). On CPU stare-jax splits the host into
+one JAX device per core (`mesh.cpu_devices`, `--cpu-devices`); the peers use their own defaults
+(TRL: torch's threads over all cores; Tunix: one JAX device, or `--tunix-devices N` for an
+(fsdp, tp) = (N, 1) mesh).
 The last line printed is one JSON object:
 
     median_step_s, median_rollout_s, median_update_s, rollout_tokens_per_s, peak_rss_mb, shape

@@ -334,15 +334,16 @@ def training_sampler_shape(config) -> SamplerShape:
                         int(r.max_new_tokens), float(r.temperature), float(r.top_p), int(r.top_k))
 
 
-def eval_sampler_shape(config, batch_divisor: int, processes: int = 1) -> SamplerShape:
-    """The evaluation rollout of `trainer.evaluate_model`: each of `processes` processes loads
-    min(eval.max_prompts, 64) prompts (raised until prompts x eval.n divides the batch shards), the
-    hosts' prompts are gathered, and each gets eval.n responses at eval.temperature / eval.top_p."""
+def eval_sampler_shape(config, batch_divisor: int) -> SamplerShape:
+    """The evaluation rollout of `trainer.evaluate_model`: each of `distributed.num_processes`
+    processes loads min(eval.max_prompts, 64) prompts (raised until prompts x eval.n divides the
+    batch shards), the hosts' prompts are gathered, and each gets eval.n responses at
+    eval.temperature / eval.top_p."""
     n = int(config.eval.n)
     batch = max(1, min(int(config.eval.max_prompts), 64))
     while (batch * n) % batch_divisor:
         batch += 1
-    return SamplerShape(batch * processes, int(config.data.max_prompt_len), n, int(config.rollout.max_new_tokens),
+    return SamplerShape(batch * int(config.distributed.num_processes), int(config.data.max_prompt_len), n, int(config.rollout.max_new_tokens),
                         float(config.eval.temperature), float(config.eval.top_p), 0)
 
 
@@ -503,8 +504,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     samplers = {"rollout": training_sampler_shape(config)}
     if "eval" in args.phases:
         if config.eval.enabled:
-            samplers["eval"] = eval_sampler_shape(config, parallel.batch_divisor(rmesh),
-                                                  int(config.distributed.num_processes))
+            samplers["eval"] = eval_sampler_shape(config, parallel.batch_divisor(rmesh))
         else:
             say("  eval: skipped (eval.enabled is False)")
     dump_dir = getattr(args, "dump_dir", None)
