@@ -193,3 +193,26 @@ def test_bench_decode_layout_times_each_layout(tiny_model):
     assert out["devices"] == 2 and set(out["layouts"]) == {"data", "one_device", "tensor"}
     assert all(v["median_s"] > 0 and len(v["all_s"]) == 1 for v in out["layouts"].values())
     assert out["layouts"]["data"]["same_tokens_as_first"]
+
+
+def test_bench_neighbour_times_the_update_after_each_interlude():
+    """scripts/bench_neighbour.py: rollout + update after each interlude, with the update's page faults."""
+    script = os.path.join(ROOT, "scripts", "bench_neighbour.py")
+    r = subprocess.run([sys.executable, script, "--rounds", "1", "--interludes", "none,memory", "--gap", "0.1",
+                        "--memory-gb", "0.05"], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out["interludes"]) == {"none", "memory"} and out["host_cpu"]
+    for row in out["interludes"].values():
+        assert row["update_s"] > 0 and row["rollout_s"] > 0 and row["update_cpu_s"] > 0
+        assert row["minor_faults"] > 0  # XLA maps the step's temporaries afresh on every execution
+    assert out["interludes"]["none"]["update_vs_first"] == 1
+    probe = subprocess.run([sys.executable, script, "--page-cost", "--memory-gb", "0.02", "--pauses", "0,0.1"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    costs = json.loads(probe.stdout)["first_touch_us_per_page"]
+    assert [c["pause_s"] for c in costs] == [0, 0.1]
+    bad = subprocess.run([sys.executable, script, "--interludes", "none,nap"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "nap" in bad.stderr
