@@ -15,7 +15,8 @@ rollout and one update, timing both:
     trl       TRL's worker runs one full GRPO step of the same workload (needs `--peer-python`)
 
 Per interlude it reports the median update and rollout seconds, the update's process CPU time and
-its kernel part (`update_sys_s`: page faults are handled there), its minor page faults and context switches (getrusage deltas), so a slowdown can be told apart as
+its kernel part (`update_sys_s`: page faults are handled there), its minor page faults and context switches (getrusage deltas), and the compiled update's temporary
+memory per device (`update_temp_mb_per_device`, XLA's memory analysis), so a slowdown can be told apart as
 more work (CPU time), waiting (wall >> CPU) or fresh pages (faults). One JSON line:
 
     python scripts/bench_neighbour.py --large --rounds 4 [--peer-python .bench-venv/bin/python]
@@ -243,6 +244,7 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
 
     update()  # compile
     update()
+    temp = step.jitted.lower(params, step._batch(batch), key, None).compile().memory_analysis().temp_size_in_bytes
     neighbours = Neighbours(interludes, workload, args)
     rows = {k: [] for k in interludes}
     try:
@@ -264,7 +266,7 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     for kind in summary:
         summary[kind]["update_vs_first"] = round(summary[kind]["update_s"] / base, 3)
     return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": args.rounds,
-            "gap_s": args.gap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "devices": jax.device_count(), "rollout_devices": args.rollout_devices,
+            "update_temp_mb_per_device": round(temp / 2**20, 1), "gap_s": args.gap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "devices": jax.device_count(), "rollout_devices": args.rollout_devices,
             "interludes": summary, "per_round": rows, "host_cpu": common.host_cpu()}
 
 
