@@ -198,13 +198,11 @@ class Neighbours:
 def measure(workload: dict, interludes: list[str], args) -> dict:
     """Times rollout + update after each interlude, `args.rounds` times, rotating the order."""
     import jax
-    import numpy as np
     from flax import nnx
 
     from stare_jax import distributed, parallel
     from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
-    from stare_jax.rollout import generate
 
     config = ours_peer.bench_config(workload)
     distributed.initialize(config)
@@ -217,20 +215,9 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     rollout_mesh = parallel.rollout_mesh(mesh, config.mesh.rollout_devices)
     sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=rollout_mesh,
                               scan_layers=config.model.scan_layers)
-    ids, _, _ = common.prompts(workload)
     key = jax.random.key(workload["seed"])
-
-    def rollout():
-        out = generate(sampler, ids, np.ones_like(ids), rng=key, group_size=workload["group_size"],
-                       max_new_tokens=workload["new_tokens"], eos_ids=(), mesh=rollout_mesh)
-        jax.block_until_ready(out.response_ids)
-        return out
-
-    out = rollout()
-    rewards = np.random.RandomState(workload["seed"]).rand(out.response_ids.shape[0]).astype(np.float32)
-    batch = parallel.shard_batch({"input_ids": np.asarray(out.tokens), "attention_mask": np.asarray(out.attention_mask),
-                                  "response_mask": np.asarray(out.response_mask),
-                                  "old_log_probs": np.asarray(out.log_probs), "rewards": rewards}, mesh)
+    rollout = ours_peer.fixed_rollout(workload, sampler, rollout_mesh)
+    batch = ours_peer.update_batch(workload, rollout(), mesh)
 
     def update():
         nonlocal params

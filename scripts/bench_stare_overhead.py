@@ -83,13 +83,11 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
     import contextlib
 
     import jax
-    import numpy as np
     from flax import nnx
 
     from stare_jax import distributed, parallel
     from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
-    from stare_jax.rollout import generate
 
     if pe_metrics:  # the same STARE config twice; the second traced without the pe_quad_* metrics
         names = ("with", "without")
@@ -114,20 +112,9 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
         steps[loss] = [make_update_step(config, mesh, state, cpu_options=loss != "xnnpack"), nnx.state(state)]
     sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
                               scan_layers=configs[first].model.scan_layers)  # the updates donate their weights
-    ids, _, _ = common.prompts(workload)
     key = jax.random.key(workload["seed"])
-
-    def rollout():
-        out = generate(sampler, ids, np.ones_like(ids), rng=key, group_size=workload["group_size"],
-                       max_new_tokens=workload["new_tokens"], eos_ids=(), mesh=mesh)
-        jax.block_until_ready(out.response_ids)
-        return out
-
-    out = rollout()
-    rewards = np.random.RandomState(workload["seed"]).rand(out.response_ids.shape[0]).astype(np.float32)
-    batch = parallel.shard_batch({"input_ids": np.asarray(out.tokens), "attention_mask": np.asarray(out.attention_mask),
-                                  "response_mask": np.asarray(out.response_mask),
-                                  "old_log_probs": np.asarray(out.log_probs), "rewards": rewards}, mesh)
+    rollout = ours_peer.fixed_rollout(workload, sampler, mesh)
+    batch = ours_peer.update_batch(workload, rollout(), mesh)
     wall = {loss: [] for loss in steps}
     cpu = {loss: [] for loss in steps}
     rollout_s = []

@@ -18,12 +18,14 @@ left-pads the chat-templated prompts, stops each response at the model's EOS ids
 driver's FLOPs and roofline; `slots` > 0 runs the slot-refilling sampler (rollout.slots) and
 `pack_tokens` > 0 the update on packed responses (ppo.pack_tokens; the batch arranged and the
 packed layout computed on the host, as the trainer does), reporting each step's capacity and the
-XLA compilations it triggered.
+XLA compilations it triggered. Each step also reports the STARE update's kernel CPU time and minor
+page faults (`update_sys_s`, `update_minor_faults`: XLA maps every execution's temporaries afresh).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 
@@ -66,6 +68,38 @@ def bench_config(workload: dict):
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
     return c
+
+
+def fixed_rollout(workload: dict, sampler, mesh):
+    """A closure that decodes the synthetic workload's prompts x group with `sampler` on `mesh` (EOS
+    off, the workload's seed as key, so every call gives the same responses) and blocks until done."""
+    import jax
+    import numpy as np
+
+    from stare_jax.rollout import generate
+
+    ids, _, _ = common.prompts(workload)
+    key = jax.random.key(workload["seed"])
+
+    def rollout():
+        out = generate(sampler, ids, np.ones_like(ids), rng=key, group_size=workload["group_size"],
+                       max_new_tokens=workload["new_tokens"], eos_ids=(), mesh=mesh)
+        jax.block_until_ready(out.response_ids)
+        return out
+
+    return rollout
+
+
+def update_batch(workload: dict, out, mesh) -> dict:
+    """The update's batch from a rollout's output `out`, with seeded uniform rewards, sharded on `mesh`."""
+    import numpy as np
+
+    from stare_jax import parallel
+
+    rewards = np.random.RandomState(workload["seed"]).rand(out.response_ids.shape[0]).astype(np.float32)
+    return parallel.shard_batch({"input_ids": np.asarray(out.tokens), "attention_mask": np.asarray(out.attention_mask),
+                                 "response_mask": np.asarray(out.response_mask),
+                                 "old_log_probs": np.asarray(out.log_probs), "rewards": rewards}, mesh)
 
 
 def real_prompts(workload: dict, tokenizer):
@@ -127,11 +161,15 @@ def main() -> None:
     base_key = jax.random.key(config.seed)
     step = 0
 
+    kernel = {}  # the last timed update's kernel CPU time and minor page faults (getrusage deltas)
+
     def timed_update(state, step_fn, batch, key, packing):
-        t0 = time.perf_counter()
+        u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         state, out = step_fn(state, batch, key, packing=packing)
         jax.block_until_ready(out)
-        return state, out, time.perf_counter() - t0
+        wall, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        kernel.update(update_sys_s=u1.ru_stime - u0.ru_stime, update_minor_faults=u1.ru_minflt - u0.ru_minflt)
+        return state, out, wall
 
     compilations = CompilationCounter()
 
@@ -149,6 +187,7 @@ def main() -> None:
         if grpo_first:
             paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
         train_state, out, update_s = timed_update(train_state, update, sharded, jax.random.fold_in(key, 1), packing)
+        update_kernel = dict(kernel)
         if paired is not None and not grpo_first:
             paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
         step += 1
@@ -161,7 +200,7 @@ def main() -> None:
                                f"{'at most ' if real else ''}{expected} in {n}")
         result = {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": update_s,
                   "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
-                  "peak_rss_mb": common.peak_rss_mb()}
+                  "peak_rss_mb": common.peak_rss_mb(), **update_kernel}
         result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
         if packing is not None:
             result["packed_capacity"] = packing.capacity
