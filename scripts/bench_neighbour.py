@@ -151,7 +151,7 @@ class Neighbours:
     """The interludes' neighbour processes, started once and idle between their turns."""
 
     def __init__(self, interludes, workload, args):
-        self.procs = {}
+        self.procs, self.trl = {}, None
         ours = os.environ.pop("GLIBC_TUNABLES", None)  # the neighbours run with glibc's defaults
         try:
             self._start(interludes, workload, args)
@@ -188,10 +188,11 @@ class Neighbours:
             assert p.stdout.readline().strip() == "done"
 
     def close(self) -> None:
+        """Ends the neighbour processes."""
         for p in self.procs.values():
             p.stdin.close()
             p.wait()
-        if hasattr(self, "trl"):
+        if self.trl is not None:
             self.trl.close()
 
 
