@@ -20,7 +20,10 @@ memory per device (`update_temp_mb_per_device`, XLA's memory analysis), so a slo
 more work (CPU time), waiting (wall >> CPU) or fresh pages (faults). One JSON line:
 
     python scripts/bench_neighbour.py --large --rounds 4 [--peer-python .bench-venv/bin/python]
-        [--interludes none,idle,compute,memory,trl] [--gap 9] [--rollout-devices 1]
+        [--interludes none,idle,compute,memory,trl] [--gap 9] [--rollout-devices 1] [--heap-limit-mb 16]
+
+`--heap-limit-mb M` compiles the update with XLA's temporaries split into heaps of at most M MiB
+(`xla_multiheap_size_constraint_per_heap`), small enough for glibc to serve from its arenas.
 
 `--page-cost` measures instead what a first touch of fresh memory costs on this host: it maps
 `--memory-gb` GiB, writes it twice and reports (first - second write) / pages in microseconds per
@@ -90,6 +93,9 @@ def main() -> None:
     ap.add_argument("--memory-gb", type=float, default=2.0, help="the memory neighbour's buffer (GiB)")
     ap.add_argument("--peer-python", default=None, help="python with torch (and TRL, for the trl interlude)")
     ap.add_argument("--rollout-devices", type=int, default=0, help="as bench_step's flag (0: the update's mesh)")
+    ap.add_argument("--heap-limit-mb", type=int, default=0,
+                    help="compile the update with XLA's temporaries split into heaps of at most this many MiB "
+                         "(xla_multiheap_size_constraint_per_heap; 0: the update's shipped options)")
     ap.add_argument("--page-cost", action="store_true", help="only measure the first-touch cost of fresh pages")
     ap.add_argument("--pauses", default="0,0.5,1,2,3,5,10,0,10,0", help="--page-cost: idle seconds before each probe")
     args = ap.parse_args()
@@ -205,6 +211,11 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
 
+    if args.heap_limit_mb:
+        from stare_jax.rl import update as update_lib
+
+        update_lib.CPU_UPDATE_COMPILER_OPTIONS = dict(update_lib.CPU_UPDATE_COMPILER_OPTIONS,
+                                                      xla_multiheap_size_constraint_per_heap=args.heap_limit_mb * 2**20)
     config = ours_peer.bench_config(workload)
     distributed.initialize(config)
     mesh = parallel.mesh_from_config(config.mesh)
@@ -254,7 +265,7 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     for kind in summary:
         summary[kind]["update_vs_first"] = round(summary[kind]["update_s"] / base, 3)
     return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": args.rounds,
-            "update_temp_mb_per_device": round(temp / 2**20, 1), "gap_s": args.gap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "devices": jax.device_count(), "rollout_devices": args.rollout_devices,
+            "update_temp_mb_per_device": round(temp / 2**20, 1), "heap_limit_mb": args.heap_limit_mb, "gap_s": args.gap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "devices": jax.device_count(), "rollout_devices": args.rollout_devices,
             "interludes": summary, "per_round": rows, "host_cpu": common.host_cpu()}
 
 
