@@ -14,7 +14,8 @@ runs every setting on a single JAX CPU device (default: one per core, the rows d
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
-Prints one JSON object per setting: times (s), the batch's response tokens, the packed capacity,
+Prints one JSON object per setting: times (s), the kernel CPU time and minor page faults of each
+update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's response tokens, the packed capacity,
 peak RSS so far (MB), the host CPU and, with --profile, `op_seconds_per_device`.
 """
 
@@ -25,6 +26,7 @@ import collections
 import json
 import os
 import pickle
+import resource
 import sys
 import time
 
@@ -166,17 +168,21 @@ def main() -> None:
         update = make_update_step(config, mesh, state)
         arranged, packing = update.arrange(dict(batch))
         sharded = parallel.shard_batch(arranged, mesh)
-        times, trace = [], os.path.join(args.profile, str(i)) if args.profile else ""
+        times, kernel_s, faults, trace = [], [], [], os.path.join(args.profile, str(i)) if args.profile else ""
         for r in range(args.reps):
             if trace and r == args.reps - 1:
                 jax.profiler.start_trace(trace)
-            t0 = time.perf_counter()
+            u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             state, out = update(state, sharded, jax.random.key(1), packing=packing)
             jax.block_until_ready(out)
             times.append(round(time.perf_counter() - t0, 2))
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            kernel_s.append(round(u1.ru_stime - u0.ru_stime, 2))
+            faults.append(u1.ru_minflt - u0.ru_minflt)
             if trace and r == args.reps - 1:
                 jax.profiler.stop_trace()
-        result = {"setting": setting, "times_s": times, "response_tokens": int(batch["response_mask"].sum()),
+        result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
+                  "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "loss": float(out["loss"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
                   "devices": jax.device_count()}
