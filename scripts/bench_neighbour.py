@@ -15,9 +15,10 @@ rollout and one update, timing both:
     trl       TRL's worker runs one full GRPO step of the same workload (needs `--peer-python`)
 
 Per interlude it reports the median update and rollout seconds, the update's process CPU time and
-its kernel part (`update_sys_s`: page faults are handled there), its minor page faults and context switches (getrusage deltas), and the compiled update's temporary
-memory per device (`update_temp_mb_per_device`, XLA's memory analysis), so a slowdown can be told apart as
-more work (CPU time), waiting (wall >> CPU) or fresh pages (faults). One JSON line:
+its kernel part (`update_sys_s`: page faults are handled there), its minor page faults and context
+switches (getrusage deltas), and the compiled update's temporary memory per device
+(`update_temp_mb_per_device`, XLA's memory analysis), so a slowdown can be told apart as more work
+(CPU time), waiting (wall >> CPU) or fresh pages (faults). One JSON line:
 
     python scripts/bench_neighbour.py --large --rounds 4 [--peer-python .bench-venv/bin/python]
         [--interludes none,idle,compute,memory,trl] [--gap 9] [--rollout-devices 1] [--heap-limit-mb 16]
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -231,19 +231,21 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     rollout = ours_peer.fixed_rollout(workload, sampler, rollout_mesh)
     batch = ours_peer.update_batch(workload, rollout(), mesh)
 
+    # The update step as the trainer jits it, compiled once here: the same executable is timed and
+    # gives XLA's memory analysis of its temporaries.
+    args_batch = step._batch(batch)
+    compiled = step.jitted.lower(params, args_batch, key, None).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+
     def update():
         nonlocal params
-        u0, t, c = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.process_time()
-        params, metrics = step.apply(params, batch, key)
+        u0, t, c = common.rusage(), time.perf_counter(), time.process_time()
+        params, metrics = compiled(params, args_batch, key)
         jax.block_until_ready(metrics)
-        wall, cpu, u1 = time.perf_counter() - t, time.process_time() - c, resource.getrusage(resource.RUSAGE_SELF)
-        return {"update_s": wall, "update_cpu_s": cpu, "update_sys_s": u1.ru_stime - u0.ru_stime,
-                "minor_faults": u1.ru_minflt - u0.ru_minflt,
-                "voluntary_switches": u1.ru_nvcsw - u0.ru_nvcsw, "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw}
+        wall, cpu, used = time.perf_counter() - t, time.process_time() - c, common.usage_since(u0)
+        return {"update_s": wall, "update_cpu_s": cpu, "update_sys_s": used.pop("sys_s"), **used}
 
-    update()  # compile
     update()
-    temp = step.jitted.lower(params, step._batch(batch), key, None).compile().memory_analysis().temp_size_in_bytes
     neighbours = Neighbours(interludes, workload, args)
     rows = {k: [] for k in interludes}
     try:
@@ -265,7 +267,9 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     for kind in summary:
         summary[kind]["update_vs_first"] = round(summary[kind]["update_s"] / base, 3)
     return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": args.rounds,
-            "update_temp_mb_per_device": round(temp / 2**20, 1), "heap_limit_mb": args.heap_limit_mb, "gap_s": args.gap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "devices": jax.device_count(), "rollout_devices": args.rollout_devices,
+            "update_temp_mb_per_device": round(temp / 2**20, 1), "heap_limit_mb": args.heap_limit_mb,
+            "gap_s": args.gap, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "devices": jax.device_count(), "rollout_devices": args.rollout_devices,
             "interludes": summary, "per_round": rows, "host_cpu": common.host_cpu()}
 
 

@@ -15,8 +15,9 @@ runs every setting on a single JAX CPU device (default: one per core, the rows d
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
 Prints one JSON object per setting: times (s), the kernel CPU time and minor page faults of each
-update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's response tokens, the packed capacity,
-peak RSS so far (MB), the host CPU and, with --profile, `op_seconds_per_device`.
+update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
+response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
+`op_seconds_per_device`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import collections
 import json
 import os
 import pickle
-import resource
 import sys
 import time
 
@@ -172,13 +172,13 @@ def main() -> None:
         for r in range(args.reps):
             if trace and r == args.reps - 1:
                 jax.profiler.start_trace(trace)
-            u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            u0, t0 = common.rusage(), time.perf_counter()
             state, out = update(state, sharded, jax.random.key(1), packing=packing)
             jax.block_until_ready(out)
             times.append(round(time.perf_counter() - t0, 2))
-            u1 = resource.getrusage(resource.RUSAGE_SELF)
-            kernel_s.append(round(u1.ru_stime - u0.ru_stime, 2))
-            faults.append(u1.ru_minflt - u0.ru_minflt)
+            used = common.usage_since(u0)
+            kernel_s.append(round(used["sys_s"], 2))
+            faults.append(used["minor_faults"])
             if trace and r == args.reps - 1:
                 jax.profiler.stop_trace()
         result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,

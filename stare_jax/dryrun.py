@@ -343,8 +343,8 @@ def eval_sampler_shape(config, batch_divisor: int) -> SamplerShape:
     batch = max(1, min(int(config.eval.max_prompts), 64))
     while (batch * n) % batch_divisor:
         batch += 1
-    return SamplerShape(batch * int(config.distributed.num_processes), int(config.data.max_prompt_len), n, int(config.rollout.max_new_tokens),
-                        float(config.eval.temperature), float(config.eval.top_p), 0)
+    return SamplerShape(batch * int(config.distributed.num_processes), int(config.data.max_prompt_len), n,
+                        int(config.rollout.max_new_tokens), float(config.eval.temperature), float(config.eval.top_p), 0)
 
 
 def simulated_rollout_mesh(mesh, per_process: int, processes: int):

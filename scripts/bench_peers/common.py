@@ -230,6 +230,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def rusage():
+    """This process's resource usage so far (`getrusage`), the start mark of `usage_since`."""
+    return resource.getrusage(resource.RUSAGE_SELF)
+
+
+def usage_since(before) -> dict:
+    """What this process used since `before` (a `rusage()`): kernel CPU seconds (`sys_s`: page
+    faults are handled there), minor page faults and voluntary / involuntary context switches."""
+    now = rusage()
+    return {"sys_s": now.ru_stime - before.ru_stime, "minor_faults": now.ru_minflt - before.ru_minflt,
+            "voluntary_switches": now.ru_nvcsw - before.ru_nvcsw,
+            "involuntary_switches": now.ru_nivcsw - before.ru_nivcsw}
+
+
 def send(obj: dict) -> None:
     """Writes one protocol line to the real stdout."""
     sys.__stdout__.write(PREFIX + json.dumps(obj) + "\n")

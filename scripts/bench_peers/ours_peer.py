@@ -25,7 +25,6 @@ page faults (`update_sys_s`, `update_minor_faults`: XLA maps every execution's t
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 
@@ -164,11 +163,11 @@ def main() -> None:
     kernel = {}  # the last timed update's kernel CPU time and minor page faults (getrusage deltas)
 
     def timed_update(state, step_fn, batch, key, packing):
-        u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        u0, t0 = common.rusage(), time.perf_counter()
         state, out = step_fn(state, batch, key, packing=packing)
         jax.block_until_ready(out)
-        wall, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-        kernel.update(update_sys_s=u1.ru_stime - u0.ru_stime, update_minor_faults=u1.ru_minflt - u0.ru_minflt)
+        wall, used = time.perf_counter() - t0, common.usage_since(u0)
+        kernel.update(update_sys_s=used["sys_s"], update_minor_faults=used["minor_faults"])
         return state, out, wall
 
     compilations = CompilationCounter()
