@@ -45,8 +45,10 @@ _COMMIT = "commit_success.txt"
 TODELETE = "todelete"
 
 # Keys that may change between a run and its resumption: they do not alter what the saved state
-# means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources).
+# means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
+# compiled programs are cached).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
+                     "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk",

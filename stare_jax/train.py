@@ -48,6 +48,9 @@ def main(argv=None) -> None:
     from stare_jax import distributed
 
     distributed.initialize(config)
+    from stare_jax import compilation
+
+    compilation.use_persistent_cache(config.compilation_cache_dir)
     import jax
 
     try:

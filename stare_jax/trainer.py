@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
+from stare_jax import compilation, parallel
 from stare_jax.compilation import CompilationCounter
-from stare_jax import parallel
 from stare_jax import preemption
 from stare_jax import workdir as workdir_lib
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_to_generate, groups_with_spread
@@ -463,6 +463,9 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                    "step_s": t2 - t0, "compilations": compilations.take()}
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
+            if step == start and compilation.persistent_cache_hits():
+                log.info("loaded %d XLA programs from the compilation cache %s (up to the end of the first step)",
+                         compilation.persistent_cache_hits(), compilation.cache_dir())
             if step > start and row["compilations"]:
                 log.warning("step %d compiled %d XLA programs (prompt bucket %d%s): shapes changed since the first "
                             "step", step, row["compilations"], row["prompt_len"],
