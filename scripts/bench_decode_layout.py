@@ -8,7 +8,11 @@ This script times `rollout.sampler.generate` on the same prompts, keys and fixed
 (`stop_lengths`) in each layout, alternating layouts over `--rounds`, and prints JSON: per layout
 the median and every round's seconds, seconds per decode step, and whether its tokens equal the
 first layout's. `one_device` is what `mesh.rollout_devices = 1` decodes on
-(`parallel.rollout_placement` of the data-parallel model).
+(`parallel.rollout_placement` of the data-parallel model). With `--profile DIR` (one layout only)
+one more rollout runs under `jax.profiler.trace` and the output adds `profile`: each device's time
+by XLA op kind and by (kind, output shape) of the optimised program (dumped into DIR/hlo), which
+tells the weight matmuls (YNNPACK fusions of output [rows, F]) from attention, cache writes and
+sampling.
 
     python scripts/bench_decode_layout.py --model runs/bench_models/smollm2 --rows 64 --new-tokens 64
 """
@@ -34,7 +38,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--profile", default="", help="trace one more rollout of the (single) layout into DIR")
     args = ap.parse_args()
+    if args.profile and len([s for s in args.layouts.split(",") if s]) != 1:
+        ap.error("--profile traces one layout: give exactly one in --layouts")
+    if args.profile:  # the optimised programs, to name each traced op's output shape
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.profile}/hlo "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$").strip()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(here, "bench_peers"))
     sys.path.insert(0, os.path.dirname(here))
@@ -90,7 +100,29 @@ def main() -> None:
         out["layouts"][k] = {"median_s": round(med, 3), "all_s": [round(t, 3) for t in times[k]],
                              "s_per_step": round(med / args.new_tokens, 4),
                              "same_tokens_as_first": bool(np.array_equal(np.asarray(first[k].response_ids), ref))}
+    if args.profile:
+        out["profile"] = profile(run, layouts[0], args.profile, len(devices) if layouts[0] != "one_device" else 1)
     print(json.dumps(out, indent=1))
+
+
+def profile(run, layout: str, directory: str, devices: int) -> dict:
+    """One traced rollout of `layout`: its time, the trace's event count, each device's self time by
+    op kind and the 15 costliest (kind, output shape) pairs."""
+    import glob
+
+    import jax
+    import profile_ops
+
+    trace = os.path.join(directory, "trace")
+    jax.profiler.start_trace(trace)
+    seconds = run(layout)[0]
+    jax.profiler.stop_trace()
+    events = profile_ops.trace_events(trace)
+    texts = [open(f).read() for f in glob.glob(os.path.join(directory, "hlo", "*cpu_after_optimizations.txt"))]
+    return {"traced_s": round(seconds, 3), "trace_events": len(events), "devices": devices,
+            "op_seconds_per_device": profile_ops.op_seconds_per_device(events, devices),
+            "by_kind_and_shape": profile_ops.seconds_by_kind_and_shape(events, profile_ops.hlo_output_shapes(texts),
+                                                                       devices)}
 
 
 if __name__ == "__main__":

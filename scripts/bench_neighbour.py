@@ -207,7 +207,7 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     import jax
     from flax import nnx
 
-    from stare_jax import distributed, parallel
+    from stare_jax import compilation, distributed, parallel
     from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
 
@@ -218,6 +218,7 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
                                                       xla_multiheap_size_constraint_per_heap=args.heap_limit_mb * 2**20)
     config = ours_peer.bench_config(workload)
     distributed.initialize(config)
+    compilation.use_persistent_cache(config.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
     mesh = parallel.mesh_from_config(config.mesh)
     policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
                              scan_layers=config.model.scan_layers)

@@ -85,7 +85,7 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
     import jax
     from flax import nnx
 
-    from stare_jax import distributed, parallel
+    from stare_jax import compilation, distributed, parallel
     from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
 
@@ -103,6 +103,7 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
         trace_ctx = {n: contextlib.nullcontext for n in names}
     first, second = names
     distributed.initialize(configs[first])
+    compilation.use_persistent_cache(configs[first].compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
     mesh = parallel.mesh_from_config(configs[first].mesh)
     steps = {}
     for loss, config in configs.items():

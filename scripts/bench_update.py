@@ -23,7 +23,6 @@ response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, wi
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import pickle
@@ -36,56 +35,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import common  # noqa: E402
-
-
-def trace_events(trace_dir: str) -> list[tuple[str, str, float, float]]:
-    """Every host event of the latest `jax.profiler.trace` run in `trace_dir`, read from its XSpace
-    (`*.xplane.pb`; the Perfetto JSON beside it stops at 1,000,000 events, which a real-model update
-    exceeds two thirds of the way through): (thread, op name, start, duration), times in us."""
-    import glob
-
-    from jax.profiler import ProfileData
-
-    runs = os.path.join(trace_dir, "plugins", "profile")
-    latest = os.path.join(runs, sorted(os.listdir(runs))[-1])
-    found = glob.glob(os.path.join(latest, "*.xplane.pb"))
-    if not found:
-        raise SystemExit(f"bench_update: no *.xplane.pb in {latest} (was the trace written?)")
-    data = ProfileData.from_file(found[0])
-    return [(line.name, e.name, e.start_ns / 1e3, e.duration_ns / 1e3)
-            for plane in data.planes if plane.name.startswith("/host:CPU")
-            for line in plane.lines for e in line.events]
-
-
-SKIPPED_EVENTS = ("$", "ThunkExecutor", "ThreadpoolListener", "end:", "PjitFunction", "Common", "Wait",
-                  "Rendezvous", "ParseArguments", "Handle", "Allocate", "PythonRef")
-
-
-def op_seconds_per_device(events, devices: int) -> dict[str, float]:
-    """Self time (s) per XLA op kind of `trace_events`, divided by `devices`: each event's duration
-    minus that of the events nested in it on the same thread, summed by kind ("dot", "fusion",
-    "while" (a loop's own time), "reduce-window", ...)."""
-    by_thread = collections.defaultdict(list)
-    for thread, name, start, dur in events:
-        by_thread[thread].append({"name": name, "ts": start, "dur": dur})
-    kinds: collections.Counter = collections.Counter()
-    for thread in by_thread.values():
-        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict] = []
-        for e in thread:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                stack.pop()
-            e["self"] = e["dur"]
-            if stack:
-                stack[-1]["self"] -= e["dur"]
-            stack.append(e)
-        for e in thread:
-            name = e["name"]
-            if name.startswith(SKIPPED_EVENTS):
-                continue
-            base = name.split(".")[0].removeprefix("wrapped_")
-            kinds["fusion" if "fusion" in base else base] += e["self"]
-    return {k: round(v / 1e6 / devices, 2) for k, v in kinds.most_common() if v / 1e6 / devices >= 0.01}
+from profile_ops import op_seconds_per_device, trace_events  # noqa: E402,F401  (tested here)
 
 
 def main() -> None:

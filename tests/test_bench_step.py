@@ -181,7 +181,7 @@ def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
     assert all(x["median_s"] > 0 and len(x["times_s"]) == 1 and x["devices"] == 2 for x in rows)
 
 
-def test_bench_decode_layout_times_each_layout(tiny_model):
+def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):
     """The decode-layout benchmark runs the same rollout on the data-parallel, one-device and
     tensor-parallel layouts of a 2-device host and reports each one's time per decode step."""
     model_dir, _ = tiny_model
@@ -193,6 +193,20 @@ def test_bench_decode_layout_times_each_layout(tiny_model):
     assert out["devices"] == 2 and set(out["layouts"]) == {"data", "one_device", "tensor"}
     assert all(v["median_s"] > 0 and len(v["all_s"]) == 1 for v in out["layouts"].values())
     assert out["layouts"]["data"]["same_tokens_as_first"]
+    prof = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_layout.py"), "--model",
+                           model_dir, "--rows", "8", "--new-tokens", "3", "--prompt-len", "4", "--rounds", "1",
+                           "--cpu-devices", "2", "--layouts", "one_device", "--profile", str(tmp_path / "prof")],
+                          cwd=ROOT, env=subprocess_env(2), capture_output=True, text=True, timeout=600)
+    assert prof.returncode == 0, prof.stderr[-3000:]
+    p = json.loads(prof.stdout)["profile"]
+    assert p["devices"] == 1 and p["trace_events"] > 0 and p["traced_s"] > 0
+    assert isinstance(p["op_seconds_per_device"], dict)  # kinds of >= 10 ms only: none at this size
+    # every (kind, shape) row names a shape of the dumped program, e.g. the output projection [8, V]
+    assert p["by_kind_and_shape"] and all(shape.startswith(("f32[", "s32[", "pred[", "u32[")) or "(" in shape
+                                          for _, shape, _ in p["by_kind_and_shape"])
+    both = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_layout.py"), "--profile",
+                           str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "exactly one" in both.stderr
 
 
 def test_bench_neighbour_times_the_update_after_each_interlude():

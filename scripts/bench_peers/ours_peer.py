@@ -119,7 +119,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from stare_jax import distributed, parallel
+    from stare_jax import compilation, distributed, parallel
     from stare_jax.compilation import CompilationCounter
     from stare_jax.models import from_pretrained
     from stare_jax.rewards import RewardPool
@@ -128,6 +128,7 @@ def main() -> None:
 
     config = bench_config(workload)
     distributed.initialize(config)  # applies mesh.cpu_devices before the first JAX operation
+    compilation.use_persistent_cache(config.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
     mesh = parallel.mesh_from_config(config.mesh)
     real = common.is_real(workload)
     policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh,

@@ -1,0 +1,95 @@
+"""Reading a `jax.profiler.trace` of XLA:CPU executions: each op's own time, by op kind and by
+output shape (shared by the benchmarks' `--profile` options)."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+
+
+def trace_events(trace_dir: str) -> list[tuple[str, str, float, float]]:
+    """Every host event of the latest `jax.profiler.trace` run in `trace_dir`, read from its XSpace
+    (`*.xplane.pb`; the Perfetto JSON beside it stops at 1,000,000 events, which a real-model update
+    exceeds two thirds of the way through): (thread, op name, start, duration), times in us."""
+    from jax.profiler import ProfileData
+
+    runs = os.path.join(trace_dir, "plugins", "profile")
+    latest = os.path.join(runs, sorted(os.listdir(runs))[-1])
+    found = glob.glob(os.path.join(latest, "*.xplane.pb"))
+    if not found:
+        raise SystemExit(f"no *.xplane.pb in {latest} (was the trace written?)")
+    data = ProfileData.from_file(found[0])
+    return [(line.name, e.name, e.start_ns / 1e3, e.duration_ns / 1e3)
+            for plane in data.planes if plane.name.startswith("/host:CPU")
+            for line in plane.lines for e in line.events]
+
+
+def _by_thread(events) -> dict[str, list[dict]]:
+    """Events per thread in start order, each with its self time ("self": duration minus the
+    events nested in it on the same thread), in us."""
+    by_thread = collections.defaultdict(list)
+    for thread, name, start, dur in events:
+        by_thread[thread].append({"name": name, "ts": start, "dur": dur})
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for e in thread:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            e["self"] = e["dur"]
+            if stack:
+                stack[-1]["self"] -= e["dur"]
+            stack.append(e)
+    return by_thread
+
+
+SKIPPED_EVENTS = ("$", "ThunkExecutor", "ThreadpoolListener", "end:", "PjitFunction", "Common", "Wait",
+                  "Rendezvous", "ParseArguments", "Handle", "Allocate", "PythonRef")
+
+
+def op_seconds_per_device(events, devices: int) -> dict[str, float]:
+    """Self time (s) per XLA op kind of `trace_events`, divided by `devices`: each event's duration
+    minus that of the events nested in it on the same thread, summed by kind ("dot", "fusion",
+    "while" (a loop's own time), "reduce-window", ...)."""
+    kinds: collections.Counter = collections.Counter()
+    for thread in _by_thread(events).values():
+        for e in thread:
+            name = e["name"]
+            if name.startswith(SKIPPED_EVENTS):
+                continue
+            base = name.split(".")[0].removeprefix("wrapped_")
+            kinds["fusion" if "fusion" in base else base] += e["self"]
+    return {k: round(v / 1e6 / devices, 2) for k, v in kinds.most_common() if v / 1e6 / devices >= 0.01}
+
+
+def self_seconds_by_op(events) -> dict[str, float]:
+    """Self time (s) of every op name of `trace_events` over all threads, not divided by devices."""
+    totals: collections.Counter = collections.Counter()
+    for thread in _by_thread(events).values():
+        for e in thread:
+            totals[e["name"]] += e["self"] / 1e6
+    return dict(totals)
+
+
+def hlo_output_shapes(hlo_texts) -> dict[str, str]:
+    """{instruction name: output shape} from optimised HLO module texts (`--xla_dump_hlo_as_text`)."""
+    shapes: dict[str, str] = {}
+    for text in hlo_texts:
+        shapes.update(re.findall(r"%([\w.\-]+) = (\S+) ", text))
+    return shapes
+
+
+def seconds_by_kind_and_shape(events, shapes: dict[str, str], devices: int, top: int = 15) -> list[list]:
+    """The `top` (kind, output shape) pairs by self time per device: [kind, shape, seconds]. Kind is
+    "ynn"/"xnn" for XNNPACK/YNNPACK fusions (matmuls and what they fuse), else the op's base name;
+    host events and ops without a shape in `shapes` are left out."""
+    sums: collections.Counter = collections.Counter()
+    for name, s in self_seconds_by_op(events).items():
+        if name.startswith(SKIPPED_EVENTS) or name not in shapes:
+            continue
+        base = name.split(".")[0].removeprefix("wrapped_")
+        kind = base.split("_fusion")[0] if base in ("ynn_fusion", "xnn_fusion") else base
+        sums[(kind, shapes[name])] += s
+    return [[k, shape, round(v / devices, 3)] for (k, shape), v in sums.most_common(top)]
