@@ -16,6 +16,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from stare_jax import compilation  # noqa: E402
+
+compilation.use_persistent_cache(os.environ["STARE_COMPILATION_CACHE_DIR"])  # the tests' own compilations too
+
 import pytest  # noqa: E402
 
 from tests import hf_fixtures  # noqa: E402
