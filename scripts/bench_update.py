@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import common  # noqa: E402
-from profile_ops import op_seconds_per_device, trace_events  # noqa: E402,F401  (tested here)
+from profile_ops import op_seconds_per_device, trace_events  # noqa: E402
 
 
 def main() -> None:

@@ -50,7 +50,6 @@ class CompilationCounter:
 
 # ----------------------------------------------------------------------------- persistent cache
 
-CACHE_ENV = "STARE_COMPILATION_CACHE_DIR"  # used when the config's compilation_cache_dir is ""
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 _cache_hits = 0
@@ -107,11 +106,12 @@ def use_persistent_cache(path: str) -> str:
     partial entry). A loaded program still counts in `CompilationCounter` (JAX reports its build as
     a backend compilation); `persistent_cache_hits()` counts the loads."""
     global _cache_dir
-    path = path or os.environ.get(CACHE_ENV, "")
+    from stare_jax.config import compilation_cache_path
+
+    path = compilation_cache_path(path)
     if not path or path == _cache_dir:
         return _cache_dir
     if "://" not in path:
-        path = os.path.abspath(os.path.expanduser(path))
         os.makedirs(path, exist_ok=True)
     _make_writes_atomic(path)
     jax.config.update("jax_compilation_cache_dir", path)

@@ -527,19 +527,31 @@ def check_paths(config) -> None:
     check_cache_dir(c)
 
 
-def check_cache_dir(config) -> None:
-    """Raises ConfigError when `compilation_cache_dir` (or, when it is "", $STARE_COMPILATION_CACHE_DIR)
-    names a local path that is not a directory and cannot become one (it or a parent is a file)."""
+COMPILATION_CACHE_ENV = "STARE_COMPILATION_CACHE_DIR"  # read when compilation_cache_dir is ""
+
+
+def compilation_cache_path(value: str) -> str:
+    """The compilation cache a run uses: `value` (the config's `compilation_cache_dir`), else
+    $STARE_COMPILATION_CACHE_DIR, else "" (off); a local path made absolute, a URL kept as is."""
     import os
 
-    path = config.compilation_cache_dir or os.environ.get("STARE_COMPILATION_CACHE_DIR", "")
+    path = value or os.environ.get(COMPILATION_CACHE_ENV, "")
+    return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def check_cache_dir(config) -> None:
+    """Raises ConfigError when the compilation cache (`compilation_cache_path`) is a local path that
+    is not a writable directory and cannot become one (it or a parent is a file)."""
+    import os
+
+    path = compilation_cache_path(config.compilation_cache_dir)
     if not path or "://" in path:
         return
-    existing = os.path.abspath(os.path.expanduser(path))
+    existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        key = "compilation_cache_dir" if config.compilation_cache_dir else "$STARE_COMPILATION_CACHE_DIR"
+        key = "compilation_cache_dir" if config.compilation_cache_dir else "$" + COMPILATION_CACHE_ENV
         raise ConfigError(key, f"{path}: {existing} is not a writable directory; allowed: a directory (created "
                                f"if absent), a gs:// URL or ''")
 

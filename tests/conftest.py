@@ -1,6 +1,8 @@
 """Test setup: 8 simulated CPU devices (so sharding tests run anywhere) and tiny HF checkpoints."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -9,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # cache for the test run (`compilation_cache_dir`; both xdist workers), so the many runs of the same
 # tiny configs compile each program once. Removed at the end of the session.
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-TEST_XLA_CACHE = os.path.join(__import__("tempfile").gettempdir(), f"stare-jax-tests-xla-cache-{_RUN}")
+TEST_XLA_CACHE = os.path.join(tempfile.gettempdir(), f"stare-jax-tests-xla-cache-{_RUN}")
 os.environ.setdefault("STARE_COMPILATION_CACHE_DIR", TEST_XLA_CACHE)
 
 import jax  # noqa: E402
@@ -28,7 +30,7 @@ from tests import hf_fixtures  # noqa: E402
 def pytest_sessionfinish(session, exitstatus):
     """The controller (not an xdist worker) removes the run's compilation cache."""
     if not hasattr(session.config, "workerinput"):
-        __import__("shutil").rmtree(TEST_XLA_CACHE, ignore_errors=True)
+        shutil.rmtree(TEST_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
