@@ -8,7 +8,9 @@ This script times `rollout.sampler.generate` on the same prompts, keys and fixed
 (`stop_lengths`) in each layout, alternating layouts over `--rounds`, and prints JSON: per layout
 the median and every round's seconds, seconds per decode step, and whether its tokens equal the
 first layout's. `one_device` is what `mesh.rollout_devices = 1` decodes on
-(`parallel.rollout_placement` of the data-parallel model). With `--profile DIR` (one layout only)
+(`parallel.rollout_placement` of the data-parallel model). Each layout decodes with the sampler's
+default layers (feature-major on CPU, `rollout.decode_layout`); `<layout>+row_major` (or
+`--row-major`, every layout both ways) decodes row-major. With `--profile DIR` (one layout only)
 one more rollout runs under `jax.profiler.trace` and the output adds `profile`: each device's time
 by XLA op kind and by (kind, output shape) of the optimised program (dumped into DIR/hlo), which
 tells the weight matmuls (YNNPACK fusions of output [rows, F]) from attention, cache writes and
@@ -39,9 +41,13 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--cpu-devices", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--profile", default="", help="trace one more rollout of the (single) layout into DIR")
+    ap.add_argument("--row-major", action="store_true",
+                    help="also time each layout with row-major decode layers (`<layout>+row_major`), "
+                         "against the feature-major layers the sampler uses on CPU")
     args = ap.parse_args()
-    if args.profile and len([s for s in args.layouts.split(",") if s]) != 1:
-        ap.error("--profile traces one layout: give exactly one in --layouts")
+    if args.profile and (args.row_major or len([s for s in args.layouts.split(",") if s]) != 1):
+        ap.error("--profile traces one layout: give exactly one in --layouts (e.g. one_device+row_major), "
+                 "without --row-major")
     if args.profile:  # the optimised programs, to name each traced op's output shape
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.profile}/hlo "
                                    "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$").strip()
@@ -61,15 +67,19 @@ def main() -> None:
     devices = jax.devices()
     data = parallel.make_mesh(data=len(devices), devices=devices)
     layouts = [s for s in args.layouts.split(",") if s]
+    if args.row_major:
+        layouts = [v for k in layouts for v in (k, f"{k}+row_major")]
+    base = {k: k.split("+")[0] for k in layouts}  # "<layout>+row_major": that layout, row-major decode layers
     policies = {"data": from_pretrained(args.model, mesh=data, load_tokenizer=False).model}
-    if "one_device" in layouts:
+    if "one_device" in base.values():
         policies["one_device"] = parallel.rollout_placement(policies["data"], data, 1)[0]
-    if "tensor" in layouts:
+    if "tensor" in base.values():
         tensor = parallel.make_mesh(data=1, tensor=len(devices), devices=devices)
         policies["tensor"] = from_pretrained(args.model, mesh=tensor, load_tokenizer=False).model
     group = 8
     B = args.rows // group
     rng = np.random.default_rng(0)
+    policies.update({k: policies[base[k]] for k in layouts})
     vocab = policies[layouts[0]].config.vocab_size
     ids = rng.integers(3, vocab, size=(B, args.prompt_len)).astype(np.int32)
     mask = np.ones_like(ids)
@@ -79,7 +89,7 @@ def main() -> None:
     def run(k):
         t0 = time.perf_counter()
         out = generate(policies[k], ids, mask, rng=key, group_size=group, max_new_tokens=args.new_tokens,
-                       eos_ids=(0,), stop_lengths=stop)
+                       eos_ids=(0,), stop_lengths=stop, decode_layout="rows" if k.endswith("+row_major") else "auto")
         jax.block_until_ready(out)
         return time.perf_counter() - t0, out
 
@@ -101,7 +111,8 @@ def main() -> None:
                              "s_per_step": round(med / args.new_tokens, 4),
                              "same_tokens_as_first": bool(np.array_equal(np.asarray(first[k].response_ids), ref))}
     if args.profile:
-        out["profile"] = profile(run, layouts[0], args.profile, len(devices) if layouts[0] != "one_device" else 1)
+        out["profile"] = profile(run, layouts[0], args.profile,
+                                 1 if layouts[0].startswith("one_device") else len(devices))
     print(json.dumps(out, indent=1))
 
 

@@ -170,7 +170,8 @@ def main() -> None:
 
         graphdef, state = nnx.split(model)
         spec = sampler.RolloutSpec(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0,
-                                   sampling=sampler.SamplingParams(), mesh=mesh, slots=min(s, args.batch))
+                                   sampling=sampler.SamplingParams(), mesh=mesh, slots=min(s, args.batch),
+                                   feature_major=sampler.feature_major_decode("auto", state))
         _, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(0),
                                                                    lengths.astype(np.int32))
         device_steps[s] = (int(steps[0]), int(steps[1]))

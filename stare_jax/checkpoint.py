@@ -46,13 +46,14 @@ TODELETE = "todelete"
 
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
-# compiled programs are cached).
+# compiled programs are cached, the float rounding of computations: rematerialisation, the
+# vocabulary chunk, packing, the decode layers' layout).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk",
-                     "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens")
+                     "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "rollout.decode_layout")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from stare_jax import parallel
 from stare_jax.models import from_pretrained
@@ -102,6 +103,27 @@ def test_decode_segments_change_only_rounding(policies, segments):
     np.testing.assert_array_equal(np.asarray(got.response_ids), np.asarray(ref.response_ids))
     np.testing.assert_array_equal(np.asarray(got.response_mask), np.asarray(ref.response_mask))
     np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(ref.log_probs), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(hf_fixtures.KINDS))
+def test_feature_major_decode_changes_only_rounding(family, policies):
+    """The feature-major decode layers (the CPU default: x^T [D, N], W^T @ x^T) sample what the
+    row-major layers sample, greedy and at temperature 1 with EOS at varied positions, for every
+    architecture (Qwen2's q/k/v biases, Qwen3's q/k norms, Llama's tied embedding)."""
+    policy = policies[family]
+    ids, mask = prompts()
+    assert sampler.feature_major_decode("auto", nnx.split(policy.model)[1])
+    for kw in (dict(rng=None, greedy=True), dict(rng=jax.random.key(5), temperature=1.0)):
+        kw.update(group_size=4, max_new_tokens=14, eos_ids=(EOS, 5, 7, 11, 13))
+        rows = generate(policy, ids, mask, decode_layout="rows", **kw)
+        columns = generate(policy, ids, mask, decode_layout="features", **kw)
+        truncated = np.asarray(rows.truncated)
+        assert truncated.any() and not truncated.all()
+        np.testing.assert_array_equal(np.asarray(columns.response_ids), np.asarray(rows.response_ids))
+        np.testing.assert_array_equal(np.asarray(columns.response_mask), np.asarray(rows.response_mask))
+        np.testing.assert_allclose(np.asarray(columns.log_probs), np.asarray(rows.log_probs), atol=1e-5)
+        default = generate(policy, ids, mask, **kw)
+        np.testing.assert_array_equal(np.asarray(default.log_probs), np.asarray(columns.log_probs))
 
 
 def test_segment_bounds_cover_every_slot_once():

@@ -400,11 +400,15 @@ def attention_inputs(cfg: ModelConfig, dtype, p, x, cos, sin):
         q, k, v = jnp.split(qkv, [H * hd, (H + K) * hd], axis=-1)
     else:
         q, k, v = (project(h, p[w], p.get(b), dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-    q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), v.reshape(B, T, K, hd)
+    return rotary_heads(cfg, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), cos, sin) + (v.reshape(B, T, K, hd),)
+
+
+def rotary_heads(cfg: ModelConfig, p, q: jax.Array, k: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array]:
+    """(q, k) [B, T, H|K, hd] after Qwen3's per-head RMSNorm (when the model has it) and RoPE."""
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def attention_residual(p, x: jax.Array, attn: jax.Array, dtype) -> jax.Array:
@@ -423,10 +427,10 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     bandwidth.
     """
     g, u = jnp.split(gate_up, 2, axis=-1)
-    return _silu_times(g, u)
+    return silu_times(g, u)
 
 
-def _silu_times(gate: jax.Array, up: jax.Array) -> jax.Array:
+def silu_times(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) * up = gate sigmoid(gate) up, float32 math, in gate's dtype."""
     g = gate.astype(jnp.float32)
     return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
@@ -460,7 +464,7 @@ def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
     else:  # gate and up sharded over `tensor`: concatenating them would move data between devices
         gate = project(h, p["w_gate"], p.get("b_gate"), dtype)
         up = project(h, p["w_up"], p.get("b_up"), dtype)
-        act = _silu_times(gate, up)
+        act = silu_times(gate, up)
     return x + project(act, p["w_down"], p.get("b_down"), dtype)
 
 

@@ -16,7 +16,14 @@ prompt i). What differs is how the keys and values are stored:
   inside the decode loop (under `lax.scan` each layer's slice of a stacked cache is copied
   out and back every step);
 * the per-layer parameters are sliced out of the stacked `[L, ...]` arrays once per rollout,
-  outside the decode loop (slices inside it would be re-materialised every step).
+  outside the decode loop (slices inside it would be re-materialised every step);
+* on CPU the layers run *feature-major* (`layer_params(..., feature_major=True)`): the residual
+  stream is kept as x^T [D, N] and every projection is W^T [F, D] @ x^T, its output [F, N]. A
+  decode step's matmuls have only N (tens of) rows; XLA:CPU's kernels run them faster with the
+  weight as the left operand (SmolLM2-135M's four layer matmuls at N = 64: 2.3-2.4 ms a layer
+  against 3.2-3.3 ms row-major on a 2-core Xeon, `docs/performance.md`). Only attention,
+  per row, transposes its small q/k/v and output. Same math; float rounding of the matmuls may
+  differ from the row-major layout's.
 
 Attention over the prompt and response parts shares one softmax, so the result equals
 attention over the concatenated sequence.
@@ -30,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from stare_jax.models.decoder import (Decoder, attention_inputs, attention_residual, fuse_projections, mlp_residual,
-                                      rms_norm, rope_angles)
+                                      rms_norm, rope_angles, rotary_heads, silu_times)
 
 _MASK_VALUE = -1e30  # as in the decoder: finite, so fully masked rows stay finite
 
@@ -62,25 +69,30 @@ def empty_response_cache(model: Decoder, rows: int, length: int) -> list[LayerKV
     return [(jnp.zeros(k_shape, model.dtype), jnp.zeros(v_shape, model.dtype)) for _ in range(c.num_layers)]
 
 
-def layer_params(model: Decoder) -> list[dict[str, jax.Array]]:
+def layer_params(model: Decoder, feature_major: bool = False) -> list[dict[str, jax.Array]]:
     """The decoder's stacked layer parameters as one dict of arrays per layer (with q/k/v and
-    gate/up concatenated when the model fuses its projections; built once, outside the decode loop)."""
+    gate/up concatenated when the model fuses its projections; built once, outside the decode loop).
+    `feature_major`: every projection matrix transposed to [F, D] for the feature-major layers."""
     stacked = model.layers.arrays()
     layers = [{name: w[i] for name, w in stacked.items()} for i in range(model.config.num_layers)]
-    return [fuse_projections(p) for p in layers] if model.fused_projections else layers
+    layers = [fuse_projections(p) for p in layers] if model.fused_projections else layers
+    if feature_major:
+        layers = [{name: w.T if w.ndim == 2 else w for name, w in p.items()} for p in layers]
+    return layers
 
 
 def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
                 response: list[LayerKV], tokens: jax.Array, positions: jax.Array,
-                slot, past: list[list[LayerKV]] | None = None, rope: tuple[jax.Array, jax.Array] | None = None
-                ) -> tuple[jax.Array, list[LayerKV]]:
+                slot, past: list[list[LayerKV]] | None = None, rope: tuple[jax.Array, jax.Array] | None = None,
+                feature_major: bool = False) -> tuple[jax.Array, list[LayerKV]]:
     """Logits [N, V] (float32) for one new token per row, and the response block holding its keys.
 
     tokens, positions: [N] (RoPE position of each new token). The new key/value goes into slot
     `slot` (one index for all rows, which advance in lockstep) of the current response block
     (`response`, per layer); the token attends to its prompt, to every slot of the earlier, full
     blocks `past[layer]` and to slots 0..slot of the current block. `rope`: a `rope_table` covering
-    every position (read, not recomputed).
+    every position (read, not recomputed). `feature_major`: `layers` come from
+    `layer_params(..., feature_major=True)` and the layers run feature-major (module docstring).
     """
     length = response[0][1].shape[2]
     bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
@@ -91,13 +103,13 @@ def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: Prom
         v_cache = jax.lax.dynamic_update_slice(response_kv[1], v, (0, 0, slot, 0))
         return (k_cache, v_cache), [*past_kv, (k_cache, v_cache)], [None] * len(past_kv) + [bias]
 
-    return _decode(model, layers, prompt, list(zip(response, past)), tokens, positions, rope, write)
+    return _decode(model, layers, prompt, list(zip(response, past)), tokens, positions, rope, write, feature_major)
 
 
 def decode_step_rows(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
                      blocks: list[list[LayerKV]], starts: tuple[int, ...], tokens: jax.Array, positions: jax.Array,
-                     columns: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None
-                     ) -> tuple[jax.Array, list[list[LayerKV]]]:
+                     columns: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
+                     feature_major: bool = False) -> tuple[jax.Array, list[list[LayerKV]]]:
     """`decode_step` for rows at different steps of different responses (the slot-refilling
     sampler): `prompt` holds one prompt per row (B = N), and row n writes its new key/value at its
     own response column `columns[n]` and attends to its columns 0..columns[n].
@@ -124,10 +136,11 @@ def decode_step_rows(model: Decoder, layers: list[dict[str, jax.Array]], prompt:
                         v_block.at[row, :, col, :].set(v[:, :, 0], mode="drop")))
         return new, new, biases
 
-    return _decode(model, layers, prompt, [(b, None) for b in blocks], tokens, positions, rope, write)
+    return _decode(model, layers, prompt, [(b, None) for b in blocks], tokens, positions, rope, write, feature_major)
 
 
-def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positions, rope, write):
+def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positions, rope, write,
+            feature_major: bool = False):
     """The decoder over one new token per row. Per layer, `write(k [N, K, hd, 1], v [N, K, 1, hd],
     *caches[layer])` stores the new key/value and returns (the layer's new cache, the response
     blocks to attend to, their attention biases (None: unmasked)). Returns (logits [N, V] float32,
@@ -137,15 +150,70 @@ def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positio
     cos, sin = rope_angles(cfg, positions[:, None], rope)                                 # [N, 1, hd/2]
     N = x.shape[0]
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    if feature_major:
+        x = x.T                                                                          # [D, N]
     new_caches = []
     for p, prompt_kv, cache in zip(layers, prompt.layers, caches):
-        q, k, v = attention_inputs(cfg, dtype, p, x[:, None, :], cos, sin)   # [N, 1, H|K, hd]
+        if feature_major:
+            q, k, v = _attention_inputs_by_feature(cfg, dtype, p, x, cos, sin)
+        else:
+            q, k, v = attention_inputs(cfg, dtype, p, x[:, None, :], cos, sin)   # [N, 1, H|K, hd]
         cache, blocks, biases = write(k.transpose(0, 2, 3, 1).astype(dtype), v.transpose(0, 2, 1, 3).astype(dtype),
                                       *cache)
         attn = _grouped_attention(q.reshape(N, K, H // K, hd), prompt_kv, prompt.bias, blocks, biases, dtype)
-        x = mlp_residual(cfg, p, attention_residual(p, x, attn.reshape(N, H * hd), dtype), dtype)
+        if feature_major:
+            x = x + _project_by_feature(p["wo"], p.get("bo"), attn.reshape(N, H * hd).T.astype(dtype), dtype)
+            x = x + _mlp_by_feature(p, _rms_norm_by_feature(x, p["mlp_norm"], eps), dtype)
+        else:
+            x = mlp_residual(cfg, p, attention_residual(p, x, attn.reshape(N, H * hd), dtype), dtype)
         new_caches.append(cache)
-    return model.logits(rms_norm(x, model.final_norm[...], cfg.rms_norm_eps)), new_caches
+    if feature_major:
+        # Rows first again, materialised: without the barrier XLA folds this transpose into the
+        # output projection's dot, whose transposed left operand XLA:CPU's fast kernels do not take
+        # (a 3x slower generic dot on the synthetic benchmark model).
+        x = jax.lax.optimization_barrier(x.T)
+    return model.logits(rms_norm(x, model.final_norm[...], eps)), new_caches
+
+
+def _rms_norm_by_feature(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """`rms_norm` of the columns of a feature-major x [D, N]."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=0, keepdims=True) + eps)
+    return weight.astype(x.dtype)[:, None] * y.astype(x.dtype)
+
+
+def _project_by_feature(w_t: jax.Array, b: jax.Array | None, x: jax.Array, dtype) -> jax.Array:
+    """`project` feature-major: W^T [F, D] @ x [D, N] (+ b), accumulated in float32, in `dtype`."""
+    y = jnp.dot(w_t.astype(dtype), x, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)[:, None]
+    return y.astype(dtype)
+
+
+def _attention_inputs_by_feature(cfg, dtype, p, x: jax.Array, cos, sin):
+    """`attention_inputs` of a feature-major residual stream x [D, N]: q [N, 1, H, hd] and k, v
+    [N, 1, K, hd] (rows first again, for attention)."""
+    H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    N = x.shape[1]
+    h = _rms_norm_by_feature(x, p["attn_norm"], cfg.rms_norm_eps)
+    if "w_qkv" in p:
+        qkv = _project_by_feature(p["w_qkv"], p.get("b_qkv"), h, dtype)
+        q, k, v = jnp.split(qkv, [H * hd, (H + K) * hd], axis=0)
+    else:
+        q, k, v = (_project_by_feature(p[w], p.get(b), h, dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    rows = lambda a, heads: a.T.reshape(N, 1, heads, hd)
+    return rotary_heads(cfg, p, rows(q, H), rows(k, K), cos, sin) + (rows(v, K),)
+
+
+def _mlp_by_feature(p, h: jax.Array, dtype) -> jax.Array:
+    """The SwiGLU half of `mlp_residual` (without the residual) on feature-major h [D, N]."""
+    if "w_gate_up" in p:
+        gate, up = jnp.split(_project_by_feature(p["w_gate_up"], p.get("b_gate_up"), h, dtype), 2, axis=0)
+    else:
+        gate = _project_by_feature(p["w_gate"], p.get("b_gate"), h, dtype)
+        up = _project_by_feature(p["w_up"], p.get("b_up"), h, dtype)
+    return _project_by_feature(p["w_down"], p.get("b_down"), silu_times(gate, up), dtype)
 
 
 def _grouped_attention(q, prompt_kv, prompt_bias, blocks, biases, dtype):

@@ -87,6 +87,7 @@ class RolloutSpec:
     mesh: Mesh | None = None
     decode_segments: int = 1
     slots: int = 0  # 0: the grouped static sampler; S > 0: S refilled decode slots (`rollout.slots`)
+    feature_major: bool = False  # decode layers feature-major (`decode` module docstring; the CPU default)
 
 
 def auto_segments(max_new_tokens: int) -> int:
@@ -107,7 +108,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
              eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
              pad_id: int | None = None, mesh: Mesh | None = None,
              decode_segments: int | None = None, slots: int = 0, stop_lengths=None,
-             num_groups: int | None = None) -> RolloutResult:
+             num_groups: int | None = None, decode_layout: str = "auto") -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -134,6 +135,10 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     `num_groups` (slots only; traced) generates only the first that many prompts' groups, the
     rest come back empty (response mask 0): what dynamic sampling asks for when it needs only a
     few more groups (`slots.slot_rollout`).
+    `decode_layout` (`rollout.decode_layout`): "features" runs the decode layers feature-major
+    (`stare_jax.rollout.decode`), "rows" row-major, "auto" feature-major when the parameters live on
+    CPU (where XLA's skinny matmuls are faster that way) and row-major elsewhere. The layouts
+    differ in floating-point rounding only.
     """
     model = getattr(policy, "model", policy)
     if not isinstance(model, Decoder):
@@ -148,7 +153,8 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
                        pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
                                                                    bool(greedy)), mesh=mesh,
                        decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
-                                           else decode_segments))
+                                           else decode_segments),
+                       feature_major=feature_major_decode(decode_layout, state))
     if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
         raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
                          f"{max_new_tokens} and {spec.decode_segments}")
@@ -226,7 +232,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     prompt_mask = rows(repeat(prompt_mask))
     prompt_lengths = prompt_mask.sum(axis=1)
     stop_lengths = None if stop_lengths is None else rows(stop_lengths)
-    layers = layer_params(model)
+    layers = layer_params(model, spec.feature_major)
     rope = rope_table(model.config, prompt_len + R)  # built once, outside the decode loops
 
     uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
@@ -266,7 +272,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
             """Feeds token t-1 (slot t-1 of the response, t-1-start of this block) and records token t."""
             t, block, token, outputs = c
             logits, block = decode_step(model, layers, prompt, block, token, prompt_lengths + t - 1, t - 1 - start,
-                                        past=past, rope=rope)
+                                        past=past, rope=rope, feature_major=spec.feature_major)
             outputs, token = record(outputs, t, logits)
             return t + 1, block, token, outputs
 
@@ -300,6 +306,23 @@ def _is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     for e in eos_ids:
         hit = hit | (token == e)
     return hit
+
+
+DECODE_LAYOUTS = ("auto", "rows", "features")
+
+
+def feature_major_decode(decode_layout: str, state) -> bool:
+    """Whether `decode_layout` (one of `DECODE_LAYOUTS`) decodes feature-major for parameters `state`."""
+    if decode_layout not in DECODE_LAYOUTS:
+        raise ValueError(f"decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
+    return decode_layout == "features" or (decode_layout == "auto" and _on_cpu(state))
+
+
+def _on_cpu(state) -> bool:
+    """Whether the parameters live on CPU devices."""
+    leaf = next(iter(jax.tree_util.tree_leaves(state)), None)
+    devices = getattr(leaf, "devices", None)
+    return devices is None or all(d.platform == "cpu" for d in devices())
 
 
 def _mesh_of(state) -> Mesh | None:
