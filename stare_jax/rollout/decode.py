@@ -20,10 +20,9 @@ prompt i). What differs is how the keys and values are stored:
 * on CPU the layers run *feature-major* (`layer_params(..., feature_major=True)`): the residual
   stream is kept as x^T [D, N] and every projection is W^T [F, D] @ x^T, its output [F, N]. A
   decode step's matmuls have only N (tens of) rows; XLA:CPU's kernels run them faster with the
-  weight as the left operand (SmolLM2-135M's four layer matmuls at N = 64: 2.3-2.4 ms a layer
-  against 3.2-3.3 ms row-major on a 2-core Xeon, `docs/performance.md`). Only attention,
-  per row, transposes its small q/k/v and output. Same math; float rounding of the matmuls may
-  differ from the row-major layout's.
+  weight as the left operand (SmolLM2-135M's rollout 1.05-1.25x faster on a 2-core Xeon,
+  `docs/performance.md`). Only attention, per row, transposes its small q/k/v and output. Same
+  math; float rounding of the matmuls may differ from the row-major layout's.
 
 Attention over the prompt and response parts shares one softmax, so the result equals
 attention over the concatenated sequence.
