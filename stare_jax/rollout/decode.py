@@ -170,7 +170,7 @@ def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positio
     if feature_major:
         # Rows first again, materialised: without the barrier XLA folds this transpose into the
         # output projection's dot, whose transposed left operand XLA:CPU's fast kernels do not take
-        # (a 3x slower generic dot on the synthetic benchmark model).
+        # (a 2-3x slower generic dot on the synthetic benchmark model).
         x = jax.lax.optimization_barrier(x.T)
     return model.logits(rms_norm(x, model.final_norm[...], eps)), new_caches
 

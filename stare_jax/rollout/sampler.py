@@ -319,10 +319,12 @@ def feature_major_decode(decode_layout: str, state) -> bool:
 
 
 def _on_cpu(state) -> bool:
-    """Whether the parameters live on CPU devices."""
-    leaf = next(iter(jax.tree_util.tree_leaves(state)), None)
-    devices = getattr(leaf, "devices", None)
-    return devices is None or all(d.platform == "cpu" for d in devices())
+    """Whether the parameters live on CPU devices (the default backend's platform when no leaf is
+    a placed array)."""
+    for leaf in jax.tree_util.tree_leaves(state):
+        if callable(getattr(leaf, "devices", None)):
+            return all(d.platform == "cpu" for d in leaf.devices())
+    return jax.default_backend() == "cpu"
 
 
 def _mesh_of(state) -> Mesh | None:
