@@ -17,7 +17,9 @@ prompt i). What differs is how the keys and values are stored:
   out and back every step);
 * the per-layer parameters are sliced out of the stacked `[L, ...]` arrays once per rollout,
   outside the decode loop (slices inside it would be re-materialised every step);
-* on CPU the layers run *feature-major* (`layer_params(..., feature_major=True)`): the residual
+* on CPU the layers run *feature-major* (`layer_params(..., feature_major=True)`, whose
+  transposed matrices are named `<name>_t`: the decode step reads the layout from the names, so
+  weights and layers cannot disagree): the residual
   stream is kept as x^T [D, N] and every projection is W^T [F, D] @ x^T, its output [F, N]. A
   decode step's matmuls have only N (tens of) rows; XLA:CPU's kernels run them faster with the
   weight as the left operand (SmolLM2-135M's rollout 1.05-1.25x faster on a 2-core Xeon,
@@ -71,27 +73,29 @@ def empty_response_cache(model: Decoder, rows: int, length: int) -> list[LayerKV
 def layer_params(model: Decoder, feature_major: bool = False) -> list[dict[str, jax.Array]]:
     """The decoder's stacked layer parameters as one dict of arrays per layer (with q/k/v and
     gate/up concatenated when the model fuses its projections; built once, outside the decode loop).
-    `feature_major`: every projection matrix transposed to [F, D] for the feature-major layers."""
+    `feature_major`: every projection matrix transposed to [F, D] and named `<name>_t`, which makes
+    the decode step run its layers feature-major."""
     stacked = model.layers.arrays()
     layers = [{name: w[i] for name, w in stacked.items()} for i in range(model.config.num_layers)]
     layers = [fuse_projections(p) for p in layers] if model.fused_projections else layers
     if feature_major:
-        layers = [{name: w.T if w.ndim == 2 else w for name, w in p.items()} for p in layers]
+        layers = [{(f"{name}_t" if w.ndim == 2 else name): (w.T if w.ndim == 2 else w) for name, w in p.items()}
+                  for p in layers]
     return layers
 
 
 def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
                 response: list[LayerKV], tokens: jax.Array, positions: jax.Array,
-                slot, past: list[list[LayerKV]] | None = None, rope: tuple[jax.Array, jax.Array] | None = None,
-                feature_major: bool = False) -> tuple[jax.Array, list[LayerKV]]:
+                slot, past: list[list[LayerKV]] | None = None, rope: tuple[jax.Array, jax.Array] | None = None
+                ) -> tuple[jax.Array, list[LayerKV]]:
     """Logits [N, V] (float32) for one new token per row, and the response block holding its keys.
 
     tokens, positions: [N] (RoPE position of each new token). The new key/value goes into slot
     `slot` (one index for all rows, which advance in lockstep) of the current response block
     (`response`, per layer); the token attends to its prompt, to every slot of the earlier, full
     blocks `past[layer]` and to slots 0..slot of the current block. `rope`: a `rope_table` covering
-    every position (read, not recomputed). `feature_major`: `layers` come from
-    `layer_params(..., feature_major=True)` and the layers run feature-major (module docstring).
+    every position (read, not recomputed). The layers run feature-major when `layers` come from
+    `layer_params(..., feature_major=True)` (module docstring).
     """
     length = response[0][1].shape[2]
     bias = jnp.where(jnp.arange(length) <= slot, 0.0, _MASK_VALUE).astype(jnp.float32)
@@ -102,13 +106,13 @@ def decode_step(model: Decoder, layers: list[dict[str, jax.Array]], prompt: Prom
         v_cache = jax.lax.dynamic_update_slice(response_kv[1], v, (0, 0, slot, 0))
         return (k_cache, v_cache), [*past_kv, (k_cache, v_cache)], [None] * len(past_kv) + [bias]
 
-    return _decode(model, layers, prompt, list(zip(response, past)), tokens, positions, rope, write, feature_major)
+    return _decode(model, layers, prompt, list(zip(response, past)), tokens, positions, rope, write)
 
 
 def decode_step_rows(model: Decoder, layers: list[dict[str, jax.Array]], prompt: PromptCache,
                      blocks: list[list[LayerKV]], starts: tuple[int, ...], tokens: jax.Array, positions: jax.Array,
-                     columns: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None,
-                     feature_major: bool = False) -> tuple[jax.Array, list[list[LayerKV]]]:
+                     columns: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None
+                     ) -> tuple[jax.Array, list[list[LayerKV]]]:
     """`decode_step` for rows at different steps of different responses (the slot-refilling
     sampler): `prompt` holds one prompt per row (B = N), and row n writes its new key/value at its
     own response column `columns[n]` and attends to its columns 0..columns[n].
@@ -135,16 +139,16 @@ def decode_step_rows(model: Decoder, layers: list[dict[str, jax.Array]], prompt:
                         v_block.at[row, :, col, :].set(v[:, :, 0], mode="drop")))
         return new, new, biases
 
-    return _decode(model, layers, prompt, [(b, None) for b in blocks], tokens, positions, rope, write, feature_major)
+    return _decode(model, layers, prompt, [(b, None) for b in blocks], tokens, positions, rope, write)
 
 
-def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positions, rope, write,
-            feature_major: bool = False):
+def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positions, rope, write):
     """The decoder over one new token per row. Per layer, `write(k [N, K, hd, 1], v [N, K, 1, hd],
     *caches[layer])` stores the new key/value and returns (the layer's new cache, the response
     blocks to attend to, their attention biases (None: unmasked)). Returns (logits [N, V] float32,
-    the new caches)."""
+    the new caches). Feature-major when `layers` hold transposed (`_t`) matrices."""
     cfg, dtype = model.config, model.dtype
+    feature_major = "wo_t" in layers[0]
     x = jnp.take(model.embed[...], tokens, axis=0).astype(dtype)                      # [N, D]
     cos, sin = rope_angles(cfg, positions[:, None], rope)                                 # [N, 1, hd/2]
     N = x.shape[0]
@@ -162,7 +166,7 @@ def _decode(model: Decoder, layers, prompt: PromptCache, caches, tokens, positio
                                       *cache)
         attn = _grouped_attention(q.reshape(N, K, H // K, hd), prompt_kv, prompt.bias, blocks, biases, dtype)
         if feature_major:
-            x = x + _project_by_feature(p["wo"], p.get("bo"), attn.reshape(N, H * hd).T.astype(dtype), dtype)
+            x = x + _project_by_feature(p["wo_t"], p.get("bo"), attn.reshape(N, H * hd).T.astype(dtype), dtype)
             x = x + _mlp_by_feature(p, _rms_norm_by_feature(x, p["mlp_norm"], eps), dtype)
         else:
             x = mlp_residual(cfg, p, attention_residual(p, x, attn.reshape(N, H * hd), dtype), dtype)
@@ -196,23 +200,24 @@ def _attention_inputs_by_feature(cfg, dtype, p, x: jax.Array, cos, sin):
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     N = x.shape[1]
     h = _rms_norm_by_feature(x, p["attn_norm"], cfg.rms_norm_eps)
-    if "w_qkv" in p:
-        qkv = _project_by_feature(p["w_qkv"], p.get("b_qkv"), h, dtype)
+    if "w_qkv_t" in p:
+        qkv = _project_by_feature(p["w_qkv_t"], p.get("b_qkv"), h, dtype)
         q, k, v = jnp.split(qkv, [H * hd, (H + K) * hd], axis=0)
     else:
-        q, k, v = (_project_by_feature(p[w], p.get(b), h, dtype) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+        q, k, v = (_project_by_feature(p[w], p.get(b), h, dtype)
+                   for w, b in (("wq_t", "bq"), ("wk_t", "bk"), ("wv_t", "bv")))
     rows = lambda a, heads: a.T.reshape(N, 1, heads, hd)
     return rotary_heads(cfg, p, rows(q, H), rows(k, K), cos, sin) + (rows(v, K),)
 
 
 def _mlp_by_feature(p, h: jax.Array, dtype) -> jax.Array:
     """The SwiGLU half of `mlp_residual` (without the residual) on feature-major h [D, N]."""
-    if "w_gate_up" in p:
-        gate, up = jnp.split(_project_by_feature(p["w_gate_up"], p.get("b_gate_up"), h, dtype), 2, axis=0)
+    if "w_gate_up_t" in p:
+        gate, up = jnp.split(_project_by_feature(p["w_gate_up_t"], p.get("b_gate_up"), h, dtype), 2, axis=0)
     else:
-        gate = _project_by_feature(p["w_gate"], p.get("b_gate"), h, dtype)
-        up = _project_by_feature(p["w_up"], p.get("b_up"), h, dtype)
-    return _project_by_feature(p["w_down"], p.get("b_down"), silu_times(gate, up), dtype)
+        gate = _project_by_feature(p["w_gate_t"], p.get("b_gate"), h, dtype)
+        up = _project_by_feature(p["w_up_t"], p.get("b_up"), h, dtype)
+    return _project_by_feature(p["w_down_t"], p.get("b_down"), silu_times(gate, up), dtype)
 
 
 def _grouped_attention(q, prompt_kv, prompt_bias, blocks, biases, dtype):

@@ -272,7 +272,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
             """Feeds token t-1 (slot t-1 of the response, t-1-start of this block) and records token t."""
             t, block, token, outputs = c
             logits, block = decode_step(model, layers, prompt, block, token, prompt_lengths + t - 1, t - 1 - start,
-                                        past=past, rope=rope, feature_major=spec.feature_major)
+                                        past=past, rope=rope)
             outputs, token = record(outputs, t, logits)
             return t + 1, block, token, outputs
 

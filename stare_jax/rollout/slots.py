@@ -224,8 +224,7 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         index = jnp.minimum(t, R - 1)                    # the token being chosen (t >= 1 when busy)
         # Feed token t-1 at cache column t-1 (idle slots compute on whatever they hold; unrecorded).
         logits, blocks = decode_step_rows(model, layers, group_prompt if shared else slot_prompt, blocks,
-                                          starts[:used], token, plen + t - 1, jnp.clip(t - 1, 0, R - 1), rope=rope,
-                                          feature_major=spec.feature_major)
+                                          starts[:used], token, plen + t - 1, jnp.clip(t - 1, 0, R - 1), rope=rope)
         new = choose_tokens(logits, None if uniforms is None else uniforms[index, r], spec.sampling)
         new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
         logp = token_log_probs(logits, new)
