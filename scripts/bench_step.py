@@ -27,6 +27,10 @@ The last line printed is one JSON object:
         dtype (`--dtype`; on a GPU float32 products may run as TF32, XLA's and PyTorch's default)
     participants: {name: the same per-participant medians}
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
+    steady_median_step_s / _rollout_s / _update_s, steady_update_mfu, steady_speedup, steady_steps, compiling_steps
+        only when some but not all timed steps compiled a new program (a packed update's new
+        capacity bucket): stare-jax's medians over the steps that compiled nothing (`steady_state`);
+        `--resummarize RESULT_JSON` adds them to a saved result
     stare_update_overhead, stare_overhead, grpo_median_update_s   (with --grpo)
         the stare-jax worker also times a plain-GRPO update step on the same batch in the same
         process, alternating which runs first: medians over rounds of STARE update / GRPO update - 1,
@@ -144,6 +148,34 @@ class Worker:
                               "packed_capacity", "response_lens", "update_sys_s", "update_minor_faults")}
                     for st in self.steps],
                 **{k: v for k, v in self.info.items() if k != "ready"}}
+
+
+def steady_state(result: dict) -> dict:
+    """stare-jax's figures over its timed steps that compiled nothing, beside the peers' medians.
+
+    A packed update compiles once per capacity bucket (`ppo.pack_tokens`) and the real-model
+    workload's lengths vary, so a timed step may still compile a new bucket; on a GPU one such
+    compilation (~10 s) outweighs many steps (<1 s), and a median over three rounds then reads the
+    compiler, not the step. A training run compiles each bucket once; this is its steady state.
+    Returns {} when every step compiled nothing (the medians already are steady) or none did."""
+    steps = result["participants"]["stare-jax"]["per_step"]
+    clean = [st for st in steps if st.get("compilations") == 0]
+    if not clean or len(clean) == len(steps):
+        return {}
+    med = lambda k: round(statistics.median(st[k] for st in clean), 4)
+    out = {"steady_steps": len(clean), "compiling_steps": len(steps) - len(clean),
+           "steady_median_step_s": med("step_s"), "steady_median_rollout_s": med("rollout_s"),
+           "steady_median_update_s": med("update_s")}
+    if "shape" in result and "matmul_peak_gflops" in result:  # model FLOPs of each step's own responses
+        w = dict(result["shape"], dtype=result.get("dtype", "float32"))
+        out["steady_update_mfu"] = round(statistics.median(
+            update_model_flops(w, st.get("response_lens")) / st["update_s"] / (result["matmul_peak_gflops"] * 1e9)
+            for st in clean), 3)
+    peers = [n for n in result["participants"] if n != "stare-jax"]
+    if peers:
+        out["steady_speedup"] = {n: round(result["participants"][n]["median_step_s"] / out["steady_median_step_s"], 2)
+                                 for n in peers}
+    return out
 
 
 def cpu_steal_jiffies() -> tuple[int, int]:
@@ -320,7 +352,19 @@ def main() -> None:
     ap.add_argument("--protocol", choices=("alternate", "blocks"), default="alternate",
                     help="timed steps: one of each participant per round, rotating (default), or each "
                          "participant's steps back to back")
+    ap.add_argument("--resummarize", metavar="RESULT_JSON", default=None,
+                    help="print a saved result with its steady-state fields (steady_state) recomputed, and exit")
     args = ap.parse_args()
+    if args.resummarize:
+        try:
+            with open(args.resummarize) as f:
+                saved = json.load(f)
+            saved.update(steady_state(saved))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"bench_step: cannot resummarize {args.resummarize}: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        print(json.dumps(saved))
+        return
     if args.steps < 1:
         ap.error("--steps must be >= 1")
 
@@ -429,6 +473,7 @@ def main() -> None:
                                                                   for s in steps), 4)
         result["stare_overhead"] = round(statistics.median((s["update_s"] - s["grpo_update_s"]) / s["step_s"]
                                                            for s in steps), 4)
+    result.update(steady_state(result))
     print(json.dumps(result))
 
 

@@ -21,9 +21,15 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 deadline=$(( $(date +%s) + budget ))
-"$py" -c "import jax, flax, transformers, torch, trl; print('jax', jax.__version__, jax.devices(), 'flax', \
-flax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'trl', trl.__version__)" \
-  >> "$out/log.txt" 2>&1
+# Every module a job imports, first: a missing one (grain's portpicker cost one session its recipe
+# runs) stops the script here in seconds, with one line, instead of failing each job in turn.
+if ! "$py" -c "import jax, flax, optax, orbax.checkpoint, ml_collections, tensorflow_datasets, grain, array_record, \
+tensorboardX, math_verify, gguf, transformers, torch, trl, datasets, portpicker, jinja2; print('jax', jax.__version__, \
+jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__, 'trl', \
+trl.__version__)" >> "$out/log.txt" 2>&1; then
+  echo "gpu_figures: a module the benchmarks need is missing in $py (see the end of $out/log.txt)" >&2
+  exit 2
+fi
 
 job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time left - 5 s)
   local name=$1 cap=$2 left rc line

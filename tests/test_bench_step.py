@@ -80,6 +80,35 @@ def test_step_schedule_alternates_or_runs_blocks():
         bs.step_schedule(names, 1, "random")
 
 
+def test_steady_state_leaves_out_the_steps_that_compiled(tmp_path):
+    """Steps that compiled a new packed-update bucket are left out of the steady-state medians and
+    speed-ups; nothing is added when no step (or every step) compiled; --resummarize adds the same
+    fields to a saved result and refuses a missing file with exit 2."""
+    bs = _bench_step_module()
+    steps = [{"step_s": 11.9, "rollout_s": 0.5, "update_s": 11.4, "compilations": 1},
+             {"step_s": 0.7, "rollout_s": 0.52, "update_s": 0.18, "compilations": 0},
+             {"step_s": 0.9, "rollout_s": 0.6, "update_s": 0.3, "compilations": 0}]
+    result = {"participants": {"stare-jax": {"per_step": steps}, "trl": {"median_step_s": 6.4}}}
+    out = bs.steady_state(result)
+    assert out["steady_steps"] == 2 and out["compiling_steps"] == 1
+    assert out["steady_median_step_s"] == 0.8 and out["steady_median_update_s"] == 0.24
+    assert out["steady_speedup"] == {"trl": 8.0}
+    for st in steps:
+        st["compilations"] = 0
+    assert bs.steady_state(result) == {}
+    steps[0]["compilations"] = 1
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(result))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--resummarize", str(path)],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steady_median_step_s"] == 0.8
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--resummarize",
+                           str(tmp_path / "missing.json")], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=120)
+    assert proc.returncode == 2 and "cannot resummarize" in proc.stderr
+
+
 def test_roofline_floors_follow_the_workload_shape():
     """The decode floor counts weights per replica per decode step plus the live KV caches, and the
     update floor is the model FLOPs at the peak: changing the shape changes them as the formulas say."""
