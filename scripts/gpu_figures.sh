@@ -53,15 +53,15 @@ job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time l
 
 bench=(scripts/bench_step.py --peer trl --peer-python "$py" --steps 3)
 if [[ $phase == synthetic ]]; then
-  job large_float32 150 "$py" "${bench[@]}" --large
+  job large_float32 150 "$py" "${bench[@]}" --large --matmul-precision float32  # full fp32 both, not TF32
   job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16
-  job default_float32 150 "$py" "${bench[@]}"
+  job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32
   job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16
   job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs --out /tmp/gpu_runs/quickstart.json
 elif [[ $phase == real ]]; then
-  job real_float32 240 "$py" "${bench[@]}" --model smollm2
   job recipe_bfloat16 300 "$py" scripts/accelerator_figures.py recipe --dtype bfloat16 --root /tmp/gpu_runs \
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
+  job real_float32 240 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32
   job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16
   job recipe_float32 300 "$py" scripts/accelerator_figures.py recipe --dtype float32 --root /tmp/gpu_runs \
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json

@@ -53,7 +53,8 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk",
-                     "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "rollout.decode_layout")
+                     "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "rollout.decode_layout",
+                     "model.matmul_precision")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.
@@ -64,7 +65,9 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               # slot-refilling rollouts (issue 20): 0 is the static batch every earlier run used
               "rollout.slots": 0,
               # what a rematerialised layer keeps (issue 20): "nothing" is the whole-layer remat of before
-              "model.remat_saves": "nothing"}
+              "model.remat_saves": "nothing",
+              # the precision of float32 products: "default" is each backend's own, as before
+              "model.matmul_precision": "default"}
 
 
 DIGEST_ALGORITHM = "u32-wsum-mix-v1"

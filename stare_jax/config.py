@@ -60,6 +60,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.preset = ""                  # architecture preset (stare_jax.models.presets) for dry runs without weights
     c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
     c.model.param_dtype = "float32"      # parameter / optimizer dtype: float32 | bfloat16
+    c.model.matmul_precision = "default"  # float32 products: default (the backend's: TF32 on NVIDIA GPUs,
+                                         #   bf16 passes on TPU, float32 on CPU) | float32 | tensorfloat32
     c.model.remat = False                # rematerialise each layer in the backward pass
     c.model.remat_saves = "nothing"      # what a rematerialised layer keeps: nothing (recompute it all) |
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
@@ -287,6 +289,7 @@ SCHEMA: dict[str, Field] = {
     "log_every": _int(1), "test_freq": _int(0),
     "model.path": _STR, "model.preset": _STR, "model.dtype": _choice("float32", "bfloat16"),
     "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL,
+    "model.matmul_precision": _choice("default", "float32", "tensorfloat32"),
     "model.remat_saves": _choice("nothing", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),

@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     absl_logging.set_verbosity(absl_logging.WARNING)
     import jax
 
-    from stare_jax import compilation, trainer
+    from stare_jax import compilation, precision, trainer
 
     compilation.use_persistent_cache(config.compilation_cache_dir)  # this command's setting (or the env's)
     cli_eval = config.eval
@@ -79,8 +79,9 @@ def main(argv=None) -> None:
     eos_ids = tuple(policy.config.eos_token_ids) or (tok.eos_token_id,)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     _, eval_sources = trainer.data_sources(config, workdir)
-    row = trainer._run_eval(config, policy.model, tok, eval_sources, jax.random.key(config.seed), step, workdir,
-                            eos_ids, pad_id, policy.mesh)
+    with precision.matmul_precision(config.model.matmul_precision):  # the run's own setting
+        row = trainer._run_eval(config, policy.model, tok, eval_sources, jax.random.key(config.seed), step, workdir,
+                                eos_ids, pad_id, policy.mesh)
     print(json.dumps({"step": step, **row}))
 
 

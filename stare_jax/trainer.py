@@ -20,7 +20,7 @@ import numpy as np
 from stare_jax import checkpoint as ckpt_lib
 from stare_jax import compilation, parallel
 from stare_jax.compilation import CompilationCounter
-from stare_jax import preemption
+from stare_jax import precision, preemption
 from stare_jax import workdir as workdir_lib
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_to_generate, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
@@ -373,7 +373,7 @@ def train(config, workdir: str) -> dict:
     if lock is not None:
         lock.acquire()
     try:
-        with preemption.StopSignal() as stop:
+        with preemption.StopSignal() as stop, precision.matmul_precision(config.model.matmul_precision):
             return _train(config, workdir, stop)
     finally:
         if lock is not None:

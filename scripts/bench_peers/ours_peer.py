@@ -63,6 +63,7 @@ def bench_config(workload: dict):
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
+    c.model.matmul_precision = w.get("matmul_precision", "default")  # float32 products (TF32 or not on a GPU)
     c.loss.name = w["loss"]
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
@@ -119,16 +120,27 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from stare_jax import compilation, distributed, parallel
+    from stare_jax import compilation, distributed, precision
+
+    config = bench_config(workload)
+    distributed.initialize(config)  # applies mesh.cpu_devices before the first JAX operation
+    compilation.use_persistent_cache(config.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
+    with precision.matmul_precision(config.model.matmul_precision):  # every program this worker compiles
+        serve(workload, config)
+
+
+def serve(workload: dict, config) -> None:
+    """Builds the policy, sampler and update step of `config` and answers the driver's commands."""
+    import jax
+    import numpy as np
+
+    from stare_jax import compilation, parallel
     from stare_jax.compilation import CompilationCounter
     from stare_jax.models import from_pretrained
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
     from stare_jax.trainer import collect_batch
 
-    config = bench_config(workload)
-    distributed.initialize(config)  # applies mesh.cpu_devices before the first JAX operation
-    compilation.use_persistent_cache(config.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
     mesh = parallel.mesh_from_config(config.mesh)
     real = common.is_real(workload)
     policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh,
@@ -216,7 +228,7 @@ def main() -> None:
         one_step()  # compiles the sampler and the update step
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
-                     "dtype": config.model.dtype, "slots": config.rollout.slots,
+                     "dtype": config.model.dtype, "matmul_precision": config.model.matmul_precision, "slots": config.rollout.slots,
                      # weight replicas a decode step reads: the rollout mesh's batch shards
                      "replicas": parallel.batch_divisor(parallel.rollout_mesh(mesh, config.mesh.rollout_devices)),
                      "memory_bandwidth_gbs": common.jax_copy_bandwidth_gbs(),

@@ -187,6 +187,7 @@ class CommandGate(TrainerCallback):
                          "optimizer": args.optim, "warmup_s": time.perf_counter() - self.train_start,
                          "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                          "dtype": args.bf16 and "bfloat16" or "float32",
+                         "matmul_precision": torch.get_float32_matmul_precision(),
                          "matmul_peak_gflops": common.matmul_peak_gflops(
                              lambda n: torch_matmul(n, "bfloat16" if args.bf16 else "float32"),
                              (2048, 4096, 8192) if torch.cuda.is_available() else (512, 1024, 2048))})
@@ -204,9 +205,22 @@ class CommandGate(TrainerCallback):
         return control
 
 
+def set_matmul_precision(name: str) -> None:
+    """PyTorch's float32 products as stare-jax's `model.matmul_precision` names them: "default" keeps
+    PyTorch's own (full float32 unless TF32 is switched on), "float32" full precision, "tensorfloat32"
+    TF32 on GPUs that have it."""
+    if name == "default":
+        return
+    tf32 = name == "tensorfloat32"
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
 def main() -> None:
     """Builds the trainer from the workload in argv and serves the driver's commands."""
     workload = common.workload_from_argv()
+    set_matmul_precision(workload.get("matmul_precision", "default"))
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     datasets.disable_progress_bars()

@@ -352,6 +352,8 @@ def main() -> None:
     if int(workload.get("tunix_devices", 1)) > 1:  # before JAX's backend starts
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={int(workload['tunix_devices'])}")
+    if workload.get("matmul_precision", "default") != "default":  # as stare-jax's model.matmul_precision
+        jax.config.update("jax_default_matmul_precision", workload["matmul_precision"])
     clock = common.StepClock(reward_fn=common.real_reward if common.is_real(workload) else common.reward)
     try:
         learner = build_learner(workload, clock)
