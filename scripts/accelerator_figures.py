@@ -114,7 +114,8 @@ def recipe(root: str, dtype: str, model: str, peaks_file: str | None, steps: int
     model_dir = model if os.path.isdir(model) else os.path.join(workdir, "model")  # a GGUF is converted there
     profile = rms.step_profile(workdir, peak, model_dir=model_dir)
     summ = rms.summary(workdir, total, c.stare.target_entropy, c.rollout.group_size)
-    rows = es.read_metrics(workdir)[1:]
+    every = es.read_metrics(workdir)
+    rows = every[1:] or every  # as step_profile: a one-step run keeps its only step
     gen_s = es._col(rows, "generate_s")
     batches = es._col(rows, "dynamic_sampling_gen_batches")
     slots = batches * c.data.prompt_batch_size * c.rollout.group_size * c.rollout.max_new_tokens

@@ -170,7 +170,8 @@ def plot(metric_rows: dict[str, list[list[dict]]], summaries: dict[str, list[dic
 
 
 def step_profile(run_dir: str, peak_gflops: float | None = None, model_dir: str | None = None) -> dict:
-    """Where one run's step time goes (medians over steps after the first, which compiles): sampling,
+    """Where one run's step time goes (medians over steps after the first, which compiles; a one-step
+    run's only step otherwise, `first_step_only`): sampling,
     verification, the rest of the rollout phase (dynamic-sampling bookkeeping, host transfers), the
     update, and the host time outside both; plus the update's MFU at the run's shapes (model FLOPs of
     `bench_step.update_model_flops`, padded prompt bucket and max_new_tokens, over the measured float32
@@ -180,14 +181,16 @@ def step_profile(run_dir: str, peak_gflops: float | None = None, model_dir: str 
     from stare_jax.config import load_config_file
     from stare_jax.models.hf import load_config
 
-    rows = es.read_metrics(run_dir)[1:]
+    every = es.read_metrics(run_dir)
+    rows = every[1:] or every  # a one-step run: its only step, compilation included (`first_step_only`)
     col = {k: es._col(rows, k) for k in ("generate_s", "reward_s", "rollout_s", "update_s", "step_s", "prompt_len",
                                           "dynamic_sampling_gen_batches")}
     med = lambda x: float(np.nanmedian(x))  # noqa: E731
     out = {"steps": len(rows), "generate_s": med(col["generate_s"]), "reward_s": med(col["reward_s"]),
            "rollout_other_s": med(col["rollout_s"] - col["generate_s"] - col["reward_s"]),
            "update_s": med(col["update_s"]), "host_other_s": med(col["step_s"] - col["rollout_s"] - col["update_s"]),
-           "step_s": med(col["step_s"]), "gen_batches": med(col["dynamic_sampling_gen_batches"])}
+           "step_s": med(col["step_s"]), "gen_batches": med(col["dynamic_sampling_gen_batches"]),
+           "first_step_only": len(every) == 1}
     med_prompt = med(col["prompt_len"])
     with open(os.path.join(run_dir, "config.json")) as f:
         flat = json.load(f)
