@@ -206,3 +206,31 @@ def test_quadrant_findings_with_a_row_whose_runs_all_stopped(tmp_path):
     assert "- [x] 3. NHR learns faster than NLR" in text and "NLR 0.100" in text
     assert "- q_nlr seed 0 stopped after 12 of 40 steps (last 10: train accuracy 0.082" in text
     assert "dynamic sampling kept only 8 of the 16" in text
+
+
+def test_step_profile_of_one_and_of_several_steps(tmp_path, tiny_checkpoints):
+    """step_profile takes medians over the steps after the first (which compiles); a one-step run
+    (accelerator_figures.py recipe --steps 1) is summarised from its only step, flagged, not NaN."""
+    rms = _load("real_model_study")
+    model_dir = next(iter(tiny_checkpoints.values()))
+    run = tmp_path / "run"
+    os.makedirs(run)
+    (run / "config.json").write_text(json.dumps({"model.path": model_dir, "data.prompt_batch_size": 2,
+                                                 "rollout.group_size": 4, "rollout.max_new_tokens": 8}))
+
+    def write(rows):
+        with open(run / "metrics.jsonl", "w") as f:
+            for i, (gen, upd) in enumerate(rows, start=1):
+                f.write(json.dumps({"step": i, "generate_s": gen, "reward_s": 0.1, "rollout_s": gen + 0.2,
+                                    "update_s": upd, "step_s": gen + upd + 0.3, "prompt_len": 16,
+                                    "dynamic_sampling_gen_batches": 1}) + "\n")
+
+    write([(30.0, 40.0)])
+    one = rms.step_profile(str(run), 100.0)
+    assert one["first_step_only"] and one["steps"] == 1 and one["update_s"] == 40.0
+    assert np.isfinite(one["update_mfu"]) and one["update_tflop"] > 0
+    write([(30.0, 40.0), (2.0, 3.0), (4.0, 5.0)])
+    several = rms.step_profile(str(run), 100.0)
+    assert not several["first_step_only"] and several["steps"] == 2
+    assert several["generate_s"] == 3.0 and several["update_s"] == 4.0
+    assert abs(several["host_other_s"] - 0.1) < 1e-9
