@@ -64,7 +64,7 @@ def main() -> None:
 
     workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
     from stare_jax import config as config_lib
-    from stare_jax import distributed, parallel
+    from stare_jax import distributed, parallel, precision
     from stare_jax.distributed import cpu_devices_per_core
 
     workload.update(loss="stare", pack_tokens=args.pack_tokens,
@@ -123,9 +123,10 @@ def main() -> None:
             if trace and r == args.reps - 1:
                 jax.profiler.start_trace(trace)
             u0, t0 = common.rusage(), time.perf_counter()
-            state, out = update(state, sharded, jax.random.key(1), packing=packing)
+            with precision.matmul_precision(config.model.matmul_precision):  # compiles at the setting's precision
+                state, out = update(state, sharded, jax.random.key(1), packing=packing)
             jax.block_until_ready(out)
-            times.append(round(time.perf_counter() - t0, 2))
+            times.append(round(time.perf_counter() - t0, 4))
             used = common.usage_since(u0)
             kernel_s.append(round(used["sys_s"], 2))
             faults.append(used["minor_faults"])

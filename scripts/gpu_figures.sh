@@ -70,10 +70,12 @@ elif [[ $phase == real ]]; then
   job real_float32 240 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32
   job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16
   # where the update's 0.178 s goes on a GPU (14x its FLOP floor at 135M parameters): scanned against
-  # unrolled layers, one vocabulary chunk against six, each with a per-op profile
+  # unrolled layers, one vocabulary chunk against six, the padded update (no capacity buckets to
+  # compile) against the packed one, each with a per-op profile
   job update_settings 240 "$py" scripts/bench_update.py --reps 3 --profile /tmp/gpu_runs/update_profile \
     --setting '{"model.dtype": "bfloat16"}' --setting '{"model.dtype": "bfloat16", "model.scan_layers": false}' \
-    --setting '{"model.dtype": "bfloat16", "model.vocab_chunk": 49152}'
+    --setting '{"model.dtype": "bfloat16", "model.vocab_chunk": 49152}' \
+    --setting '{"model.dtype": "bfloat16", "ppo.pack_tokens": 0}'
   job recipe_float32 300 "$py" scripts/accelerator_figures.py recipe --dtype float32 --root /tmp/gpu_runs \
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json
   job skew_float32 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
