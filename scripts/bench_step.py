@@ -91,6 +91,7 @@ PEERS = os.path.join(HERE, "bench_peers")
 sys.path.insert(0, PEERS)
 
 import common  # noqa: E402
+from stare_jax.config import MATMUL_PRECISIONS  # noqa: E402
 
 WORKER_TIMEOUT_S = 1800.0
 
@@ -328,7 +329,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="compute dtype of every participant (stare-jax model.dtype, TRL bf16 autocast); "
                          "parameters and optimizer state stay float32")
-    ap.add_argument("--matmul-precision", choices=("default", "float32", "tensorfloat32"), default="default",
+    ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="default",
                     help="float32 products of every participant (stare-jax model.matmul_precision, PyTorch's "
                          "float32 matmul precision): default leaves each framework its own (on an NVIDIA GPU XLA "
                          "runs TF32, PyTorch full float32); float32 / tensorfloat32 put both on equal terms")

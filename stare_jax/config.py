@@ -20,6 +20,8 @@ LOSS_NAMES = ("grpo", "stare", "entropy_bonus", "forking_tokens", "clip_cov", "k
               "w_reinforce")
 QUADRANT_NAMES = ("PHR", "PLR", "NLR", "NHR")  # polarity (positive/negative) x entropy (high/low), arXiv 2604.11056
 DATASETS = ("countdown", "arith", "math")
+#: model.matmul_precision: the backend's own precision of float32 products, full float32, or TF32
+MATMUL_PRECISIONS = ("default", "float32", "tensorfloat32")
 # The task-specific `data.*` keys each data.name reads; a key in no row is common to all tasks. A
 # task-specific key that the chosen data.name does not read must keep its default (validate), so
 # that a value set for another task is refused, not silently ignored. A new task adds one row.
@@ -289,7 +291,7 @@ SCHEMA: dict[str, Field] = {
     "log_every": _int(1), "test_freq": _int(0),
     "model.path": _STR, "model.preset": _STR, "model.dtype": _choice("float32", "bfloat16"),
     "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL,
-    "model.matmul_precision": _choice("default", "float32", "tensorfloat32"),
+    "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),

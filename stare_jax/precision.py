@@ -12,8 +12,7 @@ import contextlib
 
 import jax
 
-#: `model.matmul_precision` values: the backend's own, full float32, or TF32 where the chip has it
-MATMUL_PRECISIONS = ("default", "float32", "tensorfloat32")
+from stare_jax.config import MATMUL_PRECISIONS
 
 
 def matmul_precision(name: str) -> contextlib.AbstractContextManager:

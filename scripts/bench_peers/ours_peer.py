@@ -117,9 +117,6 @@ def real_prompts(workload: dict, tokenizer):
 
 def main() -> None:
     workload = common.workload_from_argv()
-    import jax
-    import numpy as np
-
     from stare_jax import compilation, distributed, precision
 
     config = bench_config(workload)
