@@ -23,8 +23,12 @@ phase=${1:?synthetic|real}
 out=${2:?output directory}
 budget=${3:-600}
 py=${PYTHON:-python3}
+if [[ $phase != synthetic && $phase != real ]]; then
+  echo "gpu_figures: unknown phase '$phase' (synthetic|real)" >&2
+  exit 2
+fi
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the jobs run from the repository root
 cd "$(dirname "$0")/.."
-mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 deadline=$(( $(date +%s) + budget ))
 # Every module a job imports, first: a missing one (grain's portpicker cost one session its recipe
@@ -64,7 +68,7 @@ if [[ $phase == synthetic ]]; then
   job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32
   job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16
   job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs --out /tmp/gpu_runs/quickstart.json
-elif [[ $phase == real ]]; then
+else  # real
   job recipe_bfloat16 300 "$py" scripts/accelerator_figures.py recipe --dtype bfloat16 --root /tmp/gpu_runs \
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
   job real_float32 240 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32
@@ -80,8 +84,5 @@ elif [[ $phase == real ]]; then
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json
   job skew_float32 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
     --static-rows 32 --repeats 3
-else
-  echo "unknown phase $phase (synthetic|real)" >&2
-  exit 2
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$out/log.txt" 2>&1 || true

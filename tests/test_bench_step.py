@@ -259,3 +259,22 @@ def test_bench_neighbour_times_the_update_after_each_interlude():
     bad = subprocess.run([sys.executable, script, "--interludes", "none,nap"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "nap" in bad.stderr
+
+
+def test_gpu_figures_stops_at_once_when_a_module_is_missing(tmp_path):
+    """scripts/gpu_figures.sh imports every module its jobs need before the first job: in an
+    environment without TRL (the test suite's) it exits 2 with one line and runs no job; an
+    unknown phase exits 2 too."""
+    env = dict(subprocess_env(), PYTHON=sys.executable)
+    script = os.path.join(ROOT, "scripts", "gpu_figures.sh")
+    proc = subprocess.run(["bash", script, "real", str(tmp_path / "out"), "60"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("every module the benchmarks need is installed here")
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "module the benchmarks need is missing" in proc.stderr
+    assert not (tmp_path / "out" / "results.jsonl").exists()  # no job ran
+    proc = subprocess.run(["bash", script, "sideways", str(tmp_path / "out2"), "60"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "unknown phase 'sideways'" in proc.stderr
+    assert not (tmp_path / "out2").exists()
