@@ -41,7 +41,7 @@ The last line printed is one JSON object:
         framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
         for TRL): ratios between frameworks depend on the host as much as on the code
 
-    python scripts/bench_step.py [--large] [--steps 5] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
+    python scripts/bench_step.py [--large] [--steps 5] [--warmup-rounds 0] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
                                  [--tunix-devices N] [--protocol alternate|blocks]
 
@@ -116,12 +116,14 @@ class Worker:
         raise RuntimeError(f"{self.name}: the worker exited (code {self.proc.wait()}) before answering; "
                            "its stderr is above")
 
-    def step(self) -> dict:
-        """Runs one timed step in the worker and records its figures."""
+    def step(self, record: bool = True) -> dict:
+        """Runs one step in the worker and records its figures (not when `record` is False: a
+        warm-up round's step)."""
         self.proc.stdin.write(json.dumps({"cmd": "step"}) + "\n")
         self.proc.stdin.flush()
         out = self._read()
-        self.steps.append(out)
+        if record:
+            self.steps.append(out)
         return out
 
     def close(self) -> None:
@@ -357,6 +359,10 @@ def main() -> None:
     ap.add_argument("--protocol", choices=("alternate", "blocks"), default="alternate",
                     help="timed steps: one of each participant per round, rotating (default), or each "
                          "participant's steps back to back")
+    ap.add_argument("--warmup-rounds", type=int, default=0,
+                    help="untimed rounds (one step of each participant) after each worker's own warm-up step and "
+                         "before the timed ones: on the real-model workload they compile more of stare-jax's "
+                         "packed-update capacity buckets before timing starts (each compiles once)")
     ap.add_argument("--resummarize", metavar="RESULT_JSON", default=None,
                     help="print a saved result with its steady-state fields (steady_state) recomputed, and exit")
     args = ap.parse_args()
@@ -372,6 +378,8 @@ def main() -> None:
         return
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.warmup_rounds < 0:
+        ap.error("--warmup-rounds must be >= 0")
 
     if args.model and args.large:
         ap.error("--large and --model are different workloads: pick one")
@@ -422,6 +430,11 @@ def main() -> None:
             for name, script, python, w in plan:  # warm-up one at a time
                 print(f"[bench_step] starting {name}", file=sys.stderr, flush=True)
                 workers.append(Worker(name, script, python, w))
+            for r in range(args.warmup_rounds):  # untimed: more compilation before the timed rounds
+                for wk in workers:
+                    out = wk.step(record=False)
+                    print(f"[bench_step] warm-up round {r} {wk.name}: step {out['step_s']:.3f}s", file=sys.stderr,
+                          flush=True)
             load_before = os.getloadavg()[0]
             stat_before = cpu_steal_jiffies()
             by_name = {wk.name: wk for wk in workers}
@@ -458,7 +471,7 @@ def main() -> None:
                       slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
-                  steps=args.steps, protocol=args.protocol, dtype=args.dtype, matmul_precision=args.matmul_precision,
+                  steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype, matmul_precision=args.matmul_precision,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),

@@ -11,7 +11,8 @@ from tests.e2e_helpers import ROOT, subprocess_env
 
 
 def test_bench_step_prints_contract_keys_and_checks_its_workload():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "2", "--grpo"],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "2", "--grpo",
+                        "--warmup-rounds", "1"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -22,6 +23,8 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
                             "prompt_len": 32, "new_tokens": 64}
     ours = out["participants"]["stare-jax"]
     assert ours["steps"] == 2 and ours["loss"] == "stare" and out["protocol"] == "alternate"
+    assert out["warmup_rounds"] == 1 and len(ours["per_step"]) == 2  # the warm-up round is not timed
+    assert out["matmul_precision"] == ours["matmul_precision"] == "default"
     assert 0 < out["update_mfu"] < 1
     # The framework's own float32 matmul peak and the host it was measured on (ratios depend on both).
     assert ours["matmul_peak_gflops"] == out["matmul_peak_gflops"] > 0
