@@ -131,7 +131,7 @@ def serve(workload: dict, config) -> None:
     import jax
     import numpy as np
 
-    from stare_jax import compilation, parallel
+    from stare_jax import parallel
     from stare_jax.compilation import CompilationCounter
     from stare_jax.models import from_pretrained
     from stare_jax.rewards import RewardPool
