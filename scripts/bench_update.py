@@ -8,7 +8,8 @@ for each `--setting` (config overrides as JSON, applied on top of the benchmark'
 e.g. '{"model.remat_saves": "projections"}'), `--reps` times each (the first includes compilation),
 one setting after another in the same process. With `--profile DIR` the last update of each
 setting runs under `jax.profiler.trace` and the printed summary adds each device's time by XLA
-op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times. `--cpu-devices 1`
+op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times (on a GPU: the
+device's op events, with XLA's CUDA graphs turned off for the run so that they show). `--cpu-devices 1`
 runs every setting on a single JAX CPU device (default: one per core, the rows data-parallel).
 
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
@@ -47,7 +48,9 @@ def main() -> None:
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"),
                     help="the sampled batch, written on first use and reused")
-    ap.add_argument("--profile", default="", help="trace the last update of each setting into DIR/<index>")
+    ap.add_argument("--profile", default="",
+                    help="trace the last update of each setting into DIR/<index> (on a GPU the whole run then "
+                         "goes without XLA's CUDA graphs, so its times are not those of a plain run)")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="mesh.cpu_devices: JAX CPU devices the host is split into (0: one per core; 1: a "
                          "single device with every core inside each op)")
@@ -58,6 +61,8 @@ def main() -> None:
         settings = [json.loads(s) for s in args.setting] or [{}]
     except json.JSONDecodeError as e:
         ap.error(f"--setting: not JSON: {e}")
+    if args.profile:  # on a GPU, ops run inside CUDA graphs are invisible to the profiler
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
     import bench_step
     import ours_peer

@@ -202,6 +202,35 @@ def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
                                                              "fusion": 0.5}
 
 
+
+def test_profile_summary_on_an_accelerator_reads_the_device_ops(tmp_path):
+    """On a GPU the host threads hold only launches (one CUDA-graph launch for a whole update):
+    `trace_events` then reads each device plane's "XLA Ops" line, one thread per device, and leaves
+    the host's events and the device's kernel streams out."""
+    import importlib.util
+
+    from jax.profiler import ProfileData
+
+    spec = importlib.util.spec_from_file_location("profile_ops", os.path.join(ROOT, "scripts", "bench_peers",
+                                                                               "profile_ops.py"))
+    profile_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_ops)
+    names = ["cuGraphLaunch", "dot.3", "loop_multiply_fusion", "sm90_xmma_gemm_kernel"]
+    meta = " ".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names))
+    ev = lambda name, ts, dur: (f"events {{ metadata_id: {names.index(name) + 1} offset_ps: {ts * 10**6} "  # noqa: E731
+                                f"duration_ps: {dur * 10**6} }}")
+    host = f'planes {{ name: "/host:CPU" lines {{ id: 1 name: "python" {ev("cuGraphLaunch", 0, 9_000_000)} }} {meta} }}'
+    gpu = (f'planes {{ name: "/device:GPU:0" lines {{ id: 1 name: "XLA Ops" {ev("dot.3", 0, 3_000_000)} '
+           f'{ev("loop_multiply_fusion", 3_000_000, 1_000_000)} }} '
+           f'lines {{ id: 2 name: "Stream #13(MemcpyH2D)" {ev("sm90_xmma_gemm_kernel", 0, 3_000_000)} }} {meta} }}')
+    run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    (run / "gpu.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(host + " " + gpu))
+    events = profile_ops.trace_events(str(tmp_path))
+    assert events == [("/device:GPU:0 XLA Ops", "dot.3", 0.0, 3_000_000.0),
+                      ("/device:GPU:0 XLA Ops", "loop_multiply_fusion", 3_000_000.0, 1_000_000.0)]
+    assert profile_ops.op_seconds_per_device(events, 1) == {"dot": 3.0, "fusion": 1.0}
+
 def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_vocab_pass.py"), "--tokens", "24",
                         "--hidden", "8", "--vocab", "97", "--chunks", "16,97", "--rounds", "1"],

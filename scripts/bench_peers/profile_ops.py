@@ -1,4 +1,4 @@
-"""Reading a `jax.profiler.trace` of XLA:CPU executions: each op's own time, by op kind and by
+"""Reading a `jax.profiler.trace` of XLA executions (CPU threads or accelerator devices): each op's own time, by op kind and by
 output shape (shared by the benchmarks' `--profile` options)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import re
 
 
 def trace_events(trace_dir: str) -> list[tuple[str, str, float, float]]:
-    """Every host event of the latest `jax.profiler.trace` run in `trace_dir`, read from its XSpace
+    """Every op event of the latest `jax.profiler.trace` run in `trace_dir`, read from its XSpace
     (`*.xplane.pb`; the Perfetto JSON beside it stops at 1,000,000 events, which a real-model update
-    exceeds two thirds of the way through): (thread, op name, start, duration), times in us."""
+    exceeds two thirds of the way through): (thread, op name, start, duration), times in us. See
+    `events_from_planes` for which events."""
     from jax.profiler import ProfileData
 
     runs = os.path.join(trace_dir, "plugins", "profile")
@@ -20,9 +21,28 @@ def trace_events(trace_dir: str) -> list[tuple[str, str, float, float]]:
     found = glob.glob(os.path.join(latest, "*.xplane.pb"))
     if not found:
         raise SystemExit(f"no *.xplane.pb in {latest} (was the trace written?)")
-    data = ProfileData.from_file(found[0])
+    return events_from_planes(ProfileData.from_file(found[0]).planes)
+
+
+#: the line of an accelerator's XSpace plane that holds one event per HLO op run on the device
+DEVICE_OPS_LINE = "XLA Ops"
+
+
+def events_from_planes(planes) -> list[tuple[str, str, float, float]]:
+    """(thread, op name, start us, duration us) of a trace's planes. XLA:CPU runs ops on host
+    threads, so on the CPU these are the `/host:CPU` planes' events; on a GPU or TPU the host
+    planes hold only launches, and the ops are the "XLA Ops" line of each `/device:` plane (one
+    "thread" per device). On a GPU, XLA's command buffers (CUDA graphs) hide the ops inside one
+    graph launch: trace with `--xla_gpu_enable_command_buffer=` in XLA_FLAGS (bench_update.py's
+    --profile sets it)."""
+    planes = list(planes)  # ProfileData.planes is an iterator
+    device = [(f"{plane.name} {line.name}", e.name, e.start_ns / 1e3, e.duration_ns / 1e3)
+              for plane in planes if plane.name.startswith("/device:")
+              for line in plane.lines if line.name == DEVICE_OPS_LINE for e in line.events]
+    if device:
+        return device
     return [(line.name, e.name, e.start_ns / 1e3, e.duration_ns / 1e3)
-            for plane in data.planes if plane.name.startswith("/host:CPU")
+            for plane in planes if plane.name.startswith("/host:CPU")
             for line in plane.lines for e in line.events]
 
 
