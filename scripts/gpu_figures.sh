@@ -68,21 +68,21 @@ if [[ $phase == synthetic ]]; then
   job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32
   job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16
   job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs --out /tmp/gpu_runs/quickstart.json
-else  # real: the recipe first (the figure a GPU session exists for), then where the update's time goes
-  job recipe_bfloat16 300 "$py" scripts/accelerator_figures.py recipe --dtype bfloat16 --root /tmp/gpu_runs \
-    --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
-  # where the update's 0.178 s goes on a GPU (14x its FLOP floor at 135M parameters): scanned against
-  # unrolled layers, one vocabulary chunk against six, the padded update (no capacity buckets to
-  # compile) against the packed one, each with a per-op profile
+else  # real: where the update's time goes and the equal-terms float32 row first (the recipe ran on
+  # an H100 at commit 7583736), then the recipe again, the bfloat16 row and the skewed rollouts
+  # the update (0.18 s on an H100, 14x its FLOP floor, the same under all four settings at 7583736)
+  # with a per-op profile of each: --profile turns XLA's CUDA graphs off so the device's ops show
   job update_settings 200 "$py" scripts/bench_update.py --reps 3 --profile /tmp/gpu_runs/update_profile \
-    --setting '{"model.dtype": "bfloat16"}' --setting '{"model.dtype": "bfloat16", "model.scan_layers": false}' \
+    --setting '{"model.dtype": "bfloat16"}' --setting '{"model.dtype": "float32"}' \
     --setting '{"model.dtype": "bfloat16", "model.vocab_chunk": 49152}' \
     --setting '{"model.dtype": "bfloat16", "ppo.pack_tokens": 0}'
+  # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
+  job real_float32 300 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 --warmup-rounds 2
+  job recipe_bfloat16 300 "$py" scripts/accelerator_figures.py recipe --dtype bfloat16 --root /tmp/gpu_runs \
+    --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
+  job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2
   job recipe_float32 300 "$py" scripts/accelerator_figures.py recipe --dtype float32 --root /tmp/gpu_runs \
     --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json
-  # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
-  job real_float32 240 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 --warmup-rounds 2
-  job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2
   job skew_float32 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
     --static-rows 32 --repeats 3
   # a recipe cut off by the deadline still leaves its per-step metrics, evaluations and training log

@@ -41,8 +41,13 @@ def override_args(overrides):
     return [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
-def subprocess_env(devices=1, **extra):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+def subprocess_env(devices=1, optimized=False, **extra):
+    """The environment of a process a test starts: `devices` JAX CPU devices and the tests' XLA flags
+    (conftest: no LLVM optimisation, which costs more than it saves on small programs), or with
+    `optimized` the compiler's defaults, for a process that computes more than it compiles."""
+    test_flags = "" if optimized else os.environ.get("STARE_TEST_XLA_FLAGS", "")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {test_flags}".strip(),
+               JAX_PLATFORMS="cpu")
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update(extra)
     return env

@@ -84,7 +84,7 @@ def test_stare_loss_requires_stare_enabled():
 
 
 def _cli(*args, devices=8):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {os.environ.get('STARE_TEST_XLA_FLAGS', '')}".strip(), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "stare_jax.train", "--config", QUICKSTART, *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 

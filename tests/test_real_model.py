@@ -22,8 +22,8 @@ def test_real_model_trains_two_steps_with_finite_nonzero_loss_and_gradient(tmp_p
     }
     workdir = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "stare_jax.train", "--config", RECIPE, "--workdir", workdir,
-                        *override_args(overrides)], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True,
-                       timeout=900)
+                        *override_args(overrides)], cwd=ROOT, env=subprocess_env(1, optimized=True),
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
