@@ -1,5 +1,5 @@
-"""Reading a `jax.profiler.trace` of XLA executions (CPU threads or accelerator devices): each op's own time, by op kind and by
-output shape (shared by the benchmarks' `--profile` options)."""
+"""Reading a `jax.profiler.trace` of XLA executions (CPU threads or accelerator devices): each op's
+own time, by op kind and by output shape (shared by the benchmarks' `--profile` options)."""
 
 from __future__ import annotations
 
