@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_figures.sh synthetic OUT [BUDGET_S]  # bench_step default / --large beside TRL,
 #                                                         # float32 and bfloat16; then the quickstart
+#   bash scripts/gpu_figures.sh study OUT [BUDGET_S]      # the real-model study (GRPO-ds vs STARE),
+#                                                         # seed after seed while the budget lasts
 #   bash scripts/gpu_figures.sh real OUT [BUDGET_S]       # SmolLM2: the real-model recipe and
 #                                                         # bench_step beside TRL, float32 and
 #                                                         # bfloat16; the update under three settings;
@@ -19,12 +21,12 @@
 # grain with portpicker and cloudpickle; tensorboardX; math-verify with latex2sympy2-extended and
 # antlr4-python3-runtime; gguf; trl with datasets, dill and multiprocess. Figures of the session that ran it: docs/performance.md, "On a GPU".
 set -u
-phase=${1:?synthetic|real}
+phase=${1:?synthetic|real|study}
 out=${2:?output directory}
 budget=${3:-600}
 py=${PYTHON:-python3}
-if [[ $phase != synthetic && $phase != real ]]; then
-  echo "gpu_figures: unknown phase '$phase' (synthetic|real)" >&2
+if [[ $phase != synthetic && $phase != real && $phase != study ]]; then
+  echo "gpu_figures: unknown phase '$phase' (synthetic|real|study)" >&2
   exit 2
 fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the jobs run from the repository root
@@ -68,6 +70,16 @@ if [[ $phase == synthetic ]]; then
   job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32
   job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16
   job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs --out /tmp/gpu_runs/quickstart.json
+elif [[ $phase == study ]]; then
+  # docs/real_model.md, section 4, had one or two seeds a row on the CPU (23 min a run); on an H100 a
+  # run takes ~1.5 min, so more seeds fit. Seed-major (GRPO-ds and STARE of seed 0, then of seed 1,
+  # ...), resumable; the last minute is kept for the report of the runs that finished.
+  study=(scripts/real_model_study.py --root /tmp/gpu_study --rows grpo_ds,stare --seeds 0,1,2,3,4,5
+         --out "$out/real_model_study_gpu.png" --table "$out/real_model_study_gpu.md")
+  job study $(( budget - 75 )) "$py" "${study[@]}"
+  job study_report 60 "$py" "${study[@]}" --report-only
+  (cd /tmp/gpu_study 2>/dev/null && tar czf "$out/study_runs.tar.gz" --ignore-failed-read study.log \
+    */seed_*/metrics.jsonl */seed_*/eval 2>/dev/null) || true
 else  # real: where the update's time goes and the equal-terms float32 row first (the recipe ran on
   # an H100 at commit 7583736), then the recipe again, the bfloat16 row and the skewed rollouts
   # the update (0.18 s on an H100, 14x its FLOP floor, the same under all four settings at 7583736)
