@@ -16,7 +16,8 @@ device is one this script knows. `recipe` runs the real-model recipe as the READ
 avg@8 / pass@8 before and after, the step profile of `real_model_study.step_profile` (medians over
 steps after the first), decoded tokens/s of the sampler (every decode slot of every generation
 batch; the static sampler decodes max_new_tokens for each row) and the update's MFU (model FLOPs of
-`bench_step.update_model_flops`) against the measured bf16 peak and the published one. The run is
+`bench_step.update_model_flops`) against the peak measured in the run's dtype (`peaks`: float32
+runs at XLA's default precision, TF32 on an NVIDIA GPU) and against the published bf16 peak. The run is
 the trainer's, so a rerun of the same command resumes it (a finished run is summarised again).
 """
 
@@ -110,7 +111,7 @@ def recipe(root: str, dtype: str, model: str, peaks_file: str | None, steps: int
     if peaks_file:
         with open(peaks_file) as f:
             pk = json.load(f)
-        peak = pk["matmul_peak_gflops"]["bfloat16"]
+        peak = pk["matmul_peak_gflops"][dtype]  # the run's dtype: float32 runs TF32 on a GPU by default
     model_dir = model if os.path.isdir(model) else os.path.join(workdir, "model")  # a GGUF is converted there
     profile = rms.step_profile(workdir, peak, model_dir=model_dir)
     summ = rms.summary(workdir, total, c.stare.target_entropy, c.rollout.group_size)
@@ -121,6 +122,7 @@ def recipe(root: str, dtype: str, model: str, peaks_file: str | None, steps: int
     slots = batches * c.data.prompt_batch_size * c.rollout.group_size * c.rollout.max_new_tokens
     useful = batches * c.data.prompt_batch_size * c.rollout.group_size * es._col(rows, "response_length_mean")
     out = {"dtype": dtype, "wall_s": round(wall, 1), "total_steps": total, "profile": profile,
+           "update_mfu_peak_dtype": dtype,  # profile["update_mfu"] is against this dtype's measured peak
            "decode_slot_tokens_per_s": round(float(np.nanmedian(slots / gen_s)), 1),
            "response_tokens_per_s": round(float(np.nanmedian(useful / gen_s)), 1),
            "summary": {k: v for k, v in summ.items() if not isinstance(v, (list, dict))}}
@@ -153,7 +155,7 @@ def report(files: list[str]) -> str:
                       f"{p['step_s']:.2f} s (sampling {p['generate_s']:.2f}, update {p['update_s']:.3f}, "
                       f"gen. batches {p['gen_batches']:.0f}); decode {d['decode_slot_tokens_per_s']:.0f} slot-tokens/s "
                       f"({d['response_tokens_per_s']:.0f} response tokens/s); update MFU "
-                      f"{p.get('update_mfu', float('nan')):.3f} of the measured bf16 peak"
+                      f"{p.get('update_mfu', float('nan')):.3f} of the measured {d.get('update_mfu_peak_dtype', 'bfloat16')} peak"
                       + (f", {d['update_mfu_vs_published_bf16']:.3f} of the published" if
                          "update_mfu_vs_published_bf16" in d else "")
                       + "; held-out " + ", ".join(f"{k} {s[k]:.3f}" for k in _RECIPE_KEYS if isinstance(s.get(k), (int, float))),
