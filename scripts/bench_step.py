@@ -471,7 +471,8 @@ def main() -> None:
                       slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
-                  steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype, matmul_precision=args.matmul_precision,
+                  steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,
+                  matmul_precision=args.matmul_precision,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),

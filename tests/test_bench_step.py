@@ -171,65 +171,65 @@ def test_bench_step_refuses_a_missing_model(tmp_path):
     assert r.returncode != 0 and "no such file" in r.stderr
 
 
+def _load_script(name, *path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", *path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_trace(trace_dir, planes):
+    """A `jax.profiler.trace`-shaped run in `trace_dir` whose XSpace holds `planes`: {plane name:
+    {line name: [(event name, start us, duration us), ...]}}."""
+    from jax.profiler import ProfileData
+
+    names = sorted({e[0] for lines in planes.values() for events in lines.values() for e in events})
+    text = []
+    for plane, lines in planes.items():
+        body = []
+        for i, (line, events) in enumerate(lines.items(), start=1):
+            evs = " ".join(f"events {{ metadata_id: {names.index(n) + 1} offset_ps: {ts * 10**6} "
+                           f"duration_ps: {dur * 10**6} }}" for n, ts, dur in events)
+            body.append(f'lines {{ id: {i} name: "{line}" {evs} }}')
+        body += [f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names)]
+        text.append(f'planes {{ name: "{plane}" {" ".join(body)} }}')
+    run = trace_dir / "plugins" / "profile" / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    (run / "trace.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(" ".join(text)))
+
+
 def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
     """`bench_update.py --profile` reads every event of the trace's XSpace (past the Perfetto JSON's
     1,000,000-event cap) and sums each op's own time (minus the ops nested in it on the same
     thread) by kind, per device: a loop's time spent in its body's ops is not counted twice."""
-    import importlib.util
-
-    from jax.profiler import ProfileData
-
-    spec = importlib.util.spec_from_file_location("bench_update", os.path.join(ROOT, "scripts", "bench_update.py"))
-    bench_update = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_update)
-    names = ["ThunkExecutor::Execute", "while.7", "dot.1", "multiply_reduce_fusion", "dot.2", "wrapped_reduce-window.3"]
-    ev = lambda name, ts, dur: (f"events {{ metadata_id: {names.index(name) + 1} offset_ps: {ts * 10**6} "  # noqa: E731
-                                f"duration_ps: {dur * 10**6} }}")
-    thread1 = [ev("ThunkExecutor::Execute", 0, 10_000_000), ev("while.7", 0, 8_000_000),
-               ev("dot.1", 1_000_000, 3_000_000), ev("multiply_reduce_fusion", 5_000_000, 1_000_000),
-               ev("dot.2", 8_000_000, 2_000_000)]
-    thread2 = [ev("wrapped_reduce-window.3", 0, 2_000_000), ev("dot.1", 2_000_000, 4_000_000)]
-    metadata = " ".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}'
-                        for i, n in enumerate(names))
-    plane = (f'planes {{ name: "/host:CPU" lines {{ id: 1 name: "eigen1" {" ".join(thread1)} }} '
-             f'lines {{ id: 2 name: "eigen2" {" ".join(thread2)} }} {metadata} }}')
-    run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
-    run.mkdir(parents=True)
-    (run / "vm.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(plane))
+    bench_update = _load_script("bench_update", "bench_update.py")
+    _write_trace(tmp_path, {"/host:CPU": {
+        "eigen1": [("ThunkExecutor::Execute", 0, 10_000_000), ("while.7", 0, 8_000_000),
+                   ("dot.1", 1_000_000, 3_000_000), ("multiply_reduce_fusion", 5_000_000, 1_000_000),
+                   ("dot.2", 8_000_000, 2_000_000)],
+        "eigen2": [("wrapped_reduce-window.3", 0, 2_000_000), ("dot.1", 2_000_000, 4_000_000)]}})
     events = bench_update.trace_events(str(tmp_path))
     assert len(events) == 7 and ("eigen2", "dot.1", 2_000_000.0, 4_000_000.0) in events
     assert bench_update.op_seconds_per_device(events, 2) == {"dot": 4.5, "while": 2.0, "reduce-window": 1.0,
                                                              "fusion": 0.5}
 
 
-
 def test_profile_summary_on_an_accelerator_reads_the_device_ops(tmp_path):
     """On a GPU the host threads hold only launches (one CUDA-graph launch for a whole update):
     `trace_events` then reads each device plane's "XLA Ops" line, one thread per device, and leaves
     the host's events and the device's kernel streams out."""
-    import importlib.util
-
-    from jax.profiler import ProfileData
-
-    spec = importlib.util.spec_from_file_location("profile_ops", os.path.join(ROOT, "scripts", "bench_peers",
-                                                                               "profile_ops.py"))
-    profile_ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_ops)
-    names = ["cuGraphLaunch", "dot.3", "loop_multiply_fusion", "sm90_xmma_gemm_kernel"]
-    meta = " ".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names))
-    ev = lambda name, ts, dur: (f"events {{ metadata_id: {names.index(name) + 1} offset_ps: {ts * 10**6} "  # noqa: E731
-                                f"duration_ps: {dur * 10**6} }}")
-    host = f'planes {{ name: "/host:CPU" lines {{ id: 1 name: "python" {ev("cuGraphLaunch", 0, 9_000_000)} }} {meta} }}'
-    gpu = (f'planes {{ name: "/device:GPU:0" lines {{ id: 1 name: "XLA Ops" {ev("dot.3", 0, 3_000_000)} '
-           f'{ev("loop_multiply_fusion", 3_000_000, 1_000_000)} }} '
-           f'lines {{ id: 2 name: "Stream #13(MemcpyH2D)" {ev("sm90_xmma_gemm_kernel", 0, 3_000_000)} }} {meta} }}')
-    run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
-    run.mkdir(parents=True)
-    (run / "gpu.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(host + " " + gpu))
+    profile_ops = _load_script("profile_ops", "bench_peers", "profile_ops.py")
+    _write_trace(tmp_path, {
+        "/host:CPU": {"python": [("cuGraphLaunch", 0, 9_000_000)]},
+        "/device:GPU:0": {"XLA Ops": [("dot.3", 0, 3_000_000), ("loop_multiply_fusion", 3_000_000, 1_000_000)],
+                          "Stream #13(MemcpyH2D)": [("sm90_xmma_gemm_kernel", 0, 3_000_000)]}})
     events = profile_ops.trace_events(str(tmp_path))
     assert events == [("/device:GPU:0 XLA Ops", "dot.3", 0.0, 3_000_000.0),
                       ("/device:GPU:0 XLA Ops", "loop_multiply_fusion", 3_000_000.0, 1_000_000.0)]
     assert profile_ops.op_seconds_per_device(events, 1) == {"dot": 3.0, "fusion": 1.0}
+
 
 def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_vocab_pass.py"), "--tokens", "24",

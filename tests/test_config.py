@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from stare_jax import config as config_lib
+from tests.e2e_helpers import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.py")
@@ -84,9 +85,8 @@ def test_stare_loss_requires_stare_enabled():
 
 
 def _cli(*args, devices=8):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {os.environ.get('STARE_TEST_XLA_FLAGS', '')}".strip(), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "stare_jax.train", "--config", QUICKSTART, *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                          capture_output=True, text=True, env=subprocess_env(devices), cwd=ROOT, timeout=120)
 
 
 def test_cli_batch_not_divisible_by_devices_exits_2(tmp_path):
