@@ -86,4 +86,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from stare_jax import allocator
+
+    allocator.reexec_if_wanted()  # oneTBB's malloc on a CPU host (STARE_JAX_MALLOC; allocator module)
     main()

@@ -45,6 +45,9 @@ def main(argv=None) -> None:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
+    from stare_jax import allocator
+
+    logging.getLogger(__name__).info("host malloc: %s", "oneTBB" if allocator.active() else "system")
     from stare_jax import distributed
 
     distributed.initialize(config)
@@ -95,4 +98,7 @@ def _is_workdir_value(argv, arg) -> bool:
 
 
 if __name__ == "__main__":
+    from stare_jax import allocator
+
+    allocator.reexec_if_wanted()  # oneTBB's malloc on a CPU host (STARE_JAX_MALLOC; allocator module)
     main()

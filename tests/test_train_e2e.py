@@ -45,6 +45,22 @@ def test_reference_run_writes_contract_metrics(reference_run):
     assert os.path.isdir(os.path.join(workdir, "checkpoints", "6"))
 
 
+def test_the_host_malloc_changes_no_result(tiny_model, reference_run, tmp_path):
+    """The reference run's process re-executed itself with oneTBB's malloc where the tbb package is
+    installed (stare_jax/allocator.py); glibc's malloc gives the same metrics, bit for bit."""
+    from stare_jax import allocator
+
+    model, data = tiny_model
+    workdir = str(tmp_path / "system_malloc")
+    r = run_train(workdir, tiny_overrides(model, data), STARE_JAX_MALLOC="system")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "host malloc: system" in r.stderr
+    assert comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == reference_run[1]
+    if allocator.tbbmalloc_libraries() is not None:
+        r = run_train(str(tmp_path / "tbb_malloc"), tiny_overrides(model, data, total_steps=1, checkpoint_every=1))
+        assert "host malloc: oneTBB" in r.stderr, r.stderr[-3000:]
+
+
 def test_sigkill_at_random_moment_then_resume_is_bitwise_identical(tiny_model, reference_run, tmp_path):
     model, data = tiny_model
     _, ref_rows = reference_run

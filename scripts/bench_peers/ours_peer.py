@@ -19,7 +19,10 @@ driver's FLOPs and roofline; `slots` > 0 runs the slot-refilling sampler (rollou
 `pack_tokens` > 0 the update on packed responses (ppo.pack_tokens; the batch arranged and the
 packed layout computed on the host, as the trainer does), reporting each step's capacity and the
 XLA compilations it triggered. Each step also reports the STARE update's kernel CPU time and minor
-page faults (`update_sys_s`, `update_minor_faults`: XLA maps every execution's temporaries afresh).
+page faults (`update_sys_s`, `update_minor_faults`). Like `python -m stare_jax.train`, the worker
+re-executes itself with oneTBB's malloc on a CPU host (`stare_jax.allocator`; STARE_JAX_MALLOC=system
+in the driver's environment keeps glibc's, which maps every execution's temporaries afresh) and
+reports which one served it (`malloc`).
 """
 
 from __future__ import annotations
@@ -223,7 +226,10 @@ def serve(workload: dict, config) -> None:
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
         one_step()  # compiles the sampler and the update step
+        from stare_jax import allocator
+
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
+                     "malloc": "tbb" if allocator.active() else "system",
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
                      "dtype": config.model.dtype, "matmul_precision": config.model.matmul_precision, "slots": config.rollout.slots,
                      # weight replicas a decode step reads: the rollout mesh's batch shards
@@ -236,4 +242,7 @@ def serve(workload: dict, config) -> None:
 
 
 if __name__ == "__main__":
+    from stare_jax import allocator
+
+    allocator.reexec_if_wanted()  # oneTBB's malloc on CPU, as `python -m stare_jax.train` runs
     main()

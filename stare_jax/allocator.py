@@ -1,0 +1,158 @@
+"""The host memory allocator of a CPU run: oneTBB's scalable malloc, so XLA's temporaries stay mapped.
+
+XLA:CPU mallocs every execution's temporaries and frees them when it ends. glibc serves blocks
+above 32 MiB with `mmap` and hands them back with `munmap`, so each update step faults its
+gigabytes of temporaries in afresh: 1.1-1.3 M minor faults (~5 GB) a SmolLM2-135M update on a
+2-core Xeon, 3.4-6 s of kernel CPU back to back and several times that when another process ran
+in between (docs/performance.md, "the neighbour effect"). oneTBB's malloc (the `tbb` wheel's
+`libtbbmalloc_proxy`, which replaces malloc/free process-wide) keeps freed objects of at least
+`TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD` bytes in its cache instead of unmapping them, and the next
+execution reuses them: ~0.2 M faults an update.
+
+oneTBB caches each distinct size apart (a freed 1.2 GB block does not serve a 1.1 GB request), so
+a run whose programs vary (the packed update's capacity buckets, the sampler's prompt buckets)
+would keep one block per size. The cache is therefore bounded: once the process holds more than a
+soft limit (`STARE_JAX_MALLOC_LIMIT_GB`, default half the host's physical memory) oneTBB hands
+cached blocks back to the system instead of keeping them (`scalable_allocation_mode`'s soft heap
+limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without it, under 4 GB with a 4 GB limit).
+
+The replacement must be in place before the process's first malloc, so it is installed by
+re-executing the command with `LD_PRELOAD` (`reexec_if_wanted`, called first thing by the CLI
+entry points). `STARE_JAX_MALLOC` chooses:
+
+    auto    (default) oneTBB's malloc when the run is on the CPU (JAX_PLATFORMS names cpu first,
+            or no accelerator plugin, libtpu or jax_plugins, is installed) and the library is
+            there (Linux, the `tbb` package); else the system malloc
+    tbb     oneTBB's malloc, or exit 2 when its library is missing
+    system  the C library's malloc, as before
+
+Which allocator serves the process changes no result: the same programs run on the same values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+
+ENV = "STARE_JAX_MALLOC"
+LIMIT_ENV = "STARE_JAX_MALLOC_LIMIT_GB"
+CHOICES = ("auto", "tbb", "system")
+#: objects of at least this many bytes stay cached when freed (XLA's temporaries: hundreds of MB)
+HUGE_THRESHOLD_BYTES = 1 << 20
+_LIBRARIES = ("libtbbmalloc.so.2", "libtbbmalloc_proxy.so.2")  # the proxy needs the allocator loaded
+_ACCELERATOR_MODULES = ("jax_plugins", "libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+class AllocatorError(ValueError):
+    """`STARE_JAX_MALLOC` asks for something this host cannot give."""
+
+
+def tbbmalloc_libraries() -> list[str] | None:
+    """Absolute paths of oneTBB's allocator and its malloc-replacing proxy as the installed `tbb`
+    distribution lists them (its wheel puts them in the environment's `lib/`), or None when the
+    package or either file is missing or the host is not Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        files = importlib.metadata.files("tbb") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = {f.name: os.path.realpath(str(f.locate())) for f in files if f.name in _LIBRARIES}
+    paths = [found.get(name) for name in _LIBRARIES]
+    return paths if all(p is not None and os.path.isfile(p) for p in paths) else None
+
+
+def runs_on_cpu(environ: Mapping[str, str]) -> bool:
+    """Whether JAX will run on the CPU, judged without starting a backend: JAX_PLATFORMS, when set,
+    names cpu first; otherwise no accelerator plugin (jax_plugins, libtpu) is installed."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    return not any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_MODULES)
+
+
+def wanted_libraries(environ: Mapping[str, str]) -> list[str] | None:
+    """The libraries to preload under `environ`'s STARE_JAX_MALLOC (module docstring), or None for
+    the system malloc. Raises `AllocatorError` for an unknown choice or a missing library."""
+    choice = environ.get(ENV, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise AllocatorError(f"{ENV}={environ[ENV]!r}: allowed: {', '.join(CHOICES)}")
+    if choice == "system" or (choice == "auto" and not runs_on_cpu(environ)):
+        return None
+    libraries = tbbmalloc_libraries()
+    if libraries is None and choice == "tbb":
+        raise AllocatorError(f"{ENV}=tbb: oneTBB's malloc is not installed here (pip install tbb; Linux only): "
+                             f"the tbb package with {' and '.join(_LIBRARIES)} was not found")
+    return libraries
+
+
+def preload_env(environ: Mapping[str, str], libraries: list[str]) -> dict[str, str]:
+    """`environ` with `libraries` first in LD_PRELOAD and oneTBB's huge-object threshold set (a
+    threshold already in `environ` is kept)."""
+    env = dict(environ)
+    earlier = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p not in libraries]
+    env["LD_PRELOAD"] = " ".join([*libraries, *earlier])
+    env.setdefault("TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD", str(HUGE_THRESHOLD_BYTES))
+    return env
+
+
+def active() -> bool:
+    """Whether oneTBB's malloc proxy is loaded into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libtbbmalloc_proxy" in f.read()
+    except OSError:
+        return False
+
+
+def soft_limit_bytes(environ: Mapping[str, str]) -> int:
+    """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half the physical memory.
+    Raises `AllocatorError` for a value that is not a positive number."""
+    raw = environ.get(LIMIT_ENV, "").strip()
+    if not raw:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:
+        raise AllocatorError(f"{LIMIT_ENV}={raw!r}: allowed: a positive number of GB")
+    return int(gb * 2**30)
+
+
+def _limit_cache(limit: int) -> None:
+    """Sets the loaded oneTBB allocator's soft heap limit (TBBMALLOC_SET_SOFT_HEAP_LIMIT = 1) to
+    `limit` bytes (opened by soname: the copy already in the process, wherever it came from)."""
+    lib = ctypes.CDLL(_LIBRARIES[0])
+    lib.scalable_allocation_mode.argtypes = [ctypes.c_int, ctypes.c_ssize_t]
+    if lib.scalable_allocation_mode(1, limit) != 0:
+        raise AllocatorError(f"oneTBB refused a soft heap limit of {limit} bytes")
+
+
+def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:
+    """Re-executes this process's command line with oneTBB's malloc preloaded when STARE_JAX_MALLOC
+    wants it and it is not loaded yet; in the re-executed process, sets the cache's soft limit and
+    returns (as it returns at once when the system malloc is wanted). Call before anything
+    allocates much (the first lines of a CLI's main). An unusable setting exits 2 with a one-line
+    message."""
+    environ = os.environ if environ is None else environ
+    try:
+        libraries = wanted_libraries(environ)
+        limit = None if libraries is None else soft_limit_bytes(environ)
+        if libraries is not None and active():
+            _limit_cache(limit)  # the re-executed process: bound the cache, carry on
+            return
+    except AllocatorError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if libraries is None or environ.get("_STARE_JAX_MALLOC_REEXEC"):
+        return  # the second test stops a loop should the preload not take
+    env = preload_env(environ, libraries)
+    env["_STARE_JAX_MALLOC_REEXEC"] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -1,0 +1,98 @@
+"""The CPU run's allocator switch (stare_jax/allocator.py): which malloc a CLI process ends up with."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stare_jax import allocator
+
+HAVE_TBB = allocator.tbbmalloc_libraries() is not None
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A CLI in miniature: the entry points' first line, then report what serves this process.
+PROBE = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import os; "
+         "print(allocator.active(), os.environ.get('TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD'))")
+
+
+def _probe(**env):
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("LD_PRELOAD", "STARE_JAX_MALLOC", "_STARE_JAX_MALLOC_REEXEC", "JAX_PLATFORMS",
+                          "TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD")}
+    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
+                          env={**clean, "PYTHONPATH": ROOT, **env}, timeout=60)
+
+
+def test_choices_and_platforms():
+    assert allocator.wanted_libraries({"STARE_JAX_MALLOC": "system"}) is None
+    # an accelerator named first: the system malloc, whatever is installed
+    assert allocator.wanted_libraries({"JAX_PLATFORMS": "cuda,cpu"}) is None
+    assert allocator.runs_on_cpu({"JAX_PLATFORMS": "cpu"})
+    assert not allocator.runs_on_cpu({"JAX_PLATFORMS": "tpu"})
+    with pytest.raises(allocator.AllocatorError, match="allowed: auto, tbb, system"):
+        allocator.wanted_libraries({"STARE_JAX_MALLOC": "jemalloc"})
+    if HAVE_TBB:
+        assert allocator.wanted_libraries({"JAX_PLATFORMS": "cpu"}) == allocator.tbbmalloc_libraries()
+    else:
+        assert allocator.wanted_libraries({"JAX_PLATFORMS": "cpu"}) is None
+        with pytest.raises(allocator.AllocatorError, match="not found"):
+            allocator.wanted_libraries({"STARE_JAX_MALLOC": "tbb"})
+
+
+def test_preload_env_keeps_what_was_there():
+    env = allocator.preload_env({"LD_PRELOAD": "/x/libfoo.so:/a/b.so", "TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD": "7"},
+                                ["/l/libtbbmalloc.so.2", "/l/libtbbmalloc_proxy.so.2"])
+    assert env["LD_PRELOAD"] == "/l/libtbbmalloc.so.2 /l/libtbbmalloc_proxy.so.2 /x/libfoo.so /a/b.so"
+    assert env["TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD"] == "7"
+    assert allocator.preload_env({}, ["/l/a.so"])["TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD"] == str(1 << 20)
+
+
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_cli_process_reexecutes_with_tbbmalloc_on_cpu():
+    out = _probe(JAX_PLATFORMS="cpu")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(1 << 20)]
+    assert _probe(JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system").stdout.split() == ["False", "None"]
+    assert _probe(JAX_PLATFORMS="cuda").stdout.split() == ["False", "None"]
+
+
+def test_bad_choice_exits_2_with_one_line():
+    out = _probe(STARE_JAX_MALLOC="jemalloc")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: STARE_JAX_MALLOC='jemalloc'"), out.stderr
+
+
+def test_soft_limit_setting():
+    assert allocator.soft_limit_bytes({"STARE_JAX_MALLOC_LIMIT_GB": "1.5"}) == 3 * 2**29
+    assert allocator.soft_limit_bytes({}) > 0
+    for bad in ("0", "-2", "lots"):
+        with pytest.raises(allocator.AllocatorError, match="positive number of GB"):
+            allocator.soft_limit_bytes({"STARE_JAX_MALLOC_LIMIT_GB": bad})
+    out = _probe(JAX_PLATFORMS="cpu", STARE_JAX_MALLOC_LIMIT_GB="none") if HAVE_TBB else None
+    if out is not None:
+        assert out.returncode == 2 and out.stderr.startswith("config error: STARE_JAX_MALLOC_LIMIT_GB='none'")
+
+
+# Frees blocks of ten distinct sizes (100-190 MB) and prints the largest RSS seen, in MB.
+GROW = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import numpy as np, psutil; "
+        "p = psutil.Process(); peak = 0\n"
+        "for i in range(10):\n"
+        "    a = np.ones((100 + 10 * i) * 2**18, np.float32); del a; peak = max(peak, p.memory_info().rss)\n"
+        "print(peak >> 20)")
+
+
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_the_cache_of_freed_blocks_is_bounded_by_the_soft_limit():
+    def peak_mb(limit_gb):
+        clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "_STARE_JAX_MALLOC_REEXEC")}
+        out = subprocess.run([sys.executable, "-c", GROW], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                             env={**clean, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "STARE_JAX_MALLOC": "tbb",
+                                  "STARE_JAX_MALLOC_LIMIT_GB": str(limit_gb)})
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    unbounded, bounded = peak_mb(64), peak_mb(0.25)
+    assert unbounded > 900  # cached blocks of most sizes (1.45 GB of them freed; 1.0 GB measured)
+    assert bounded < 450, (bounded, unbounded)  # 0.24 GB measured
