@@ -194,21 +194,26 @@ def jax_matmul(n: int, dtype: str = "float32"):
 
 
 def jax_copy_bandwidth_gbs(n_bytes: int | None = None, repeats: int = 5) -> float:
-    """Memory bandwidth of JAX's default device in GB/s: the best rate of a jitted `a + 1` over an
-    array of `n_bytes` (1 GiB on an accelerator, 256 MiB on a CPU), counting the bytes read and
-    written (2 x n_bytes). The bandwidth of the decode roofline."""
+    """Memory bandwidth of JAX's default device in GB/s: the best rate of a jitted in-place `a + 1`
+    over an array of `n_bytes` (1 GiB on an accelerator, 256 MiB on a CPU), counting the bytes read
+    and written (2 x n_bytes). The bandwidth of the decode roofline.
+
+    The input is donated, so the result reuses its buffer: without donation every call wrote a
+    fresh output, and on a CPU host with glibc's malloc that is fresh pages, whose first-touch
+    faults the timing included (8.2-9.6 GB/s read on the 2-core Xeon VMs, 22.8 GB/s once oneTBB's
+    malloc reused the buffer: docs/performance.md)."""
     import jax
     import jax.numpy as jnp
 
     if n_bytes is None:
         n_bytes = (1 << 30) if jax.default_backend() in ("gpu", "tpu") else (1 << 28)
     x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = f(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        f(x).block_until_ready()
+        x = f(x).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return round(2 * n_bytes / best / 1e9, 1)
 
