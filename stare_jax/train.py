@@ -45,9 +45,6 @@ def main(argv=None) -> None:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
-    from stare_jax import allocator
-
-    logging.getLogger(__name__).info("host malloc: %s", "oneTBB" if allocator.active() else "system")
     from stare_jax import distributed
 
     distributed.initialize(config)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
-from stare_jax import compilation, parallel
+from stare_jax import allocator, compilation, parallel
 from stare_jax.compilation import CompilationCounter
 from stare_jax import precision, preemption
 from stare_jax import workdir as workdir_lib
@@ -446,6 +446,8 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                              pad_id, mesh)
             log.info("initial policy: %s", ", ".join(f"{k} {v:.3f}" for k, v in sorted(base.items())))
         stop.defer()  # from here a signal ends the step in progress and saves (before: nothing to save)
+        # logged here, after every refusal of bad input (whose message stays the only line of stderr)
+        log.info("host malloc: %s (stare_jax.allocator)", "oneTBB" if allocator.active() else "system")
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
             compilations.take()
