@@ -16,12 +16,18 @@ PROBE = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import 
          "print(allocator.active(), os.environ.get('TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD'))")
 
 
-def _probe(**env):
+def _python(code, **env):
+    """Runs `code` in a fresh interpreter with this process's environment minus every allocator
+    setting, plus `env`."""
     clean = {k: v for k, v in os.environ.items()
              if k not in ("LD_PRELOAD", "STARE_JAX_MALLOC", "_STARE_JAX_MALLOC_REEXEC", "JAX_PLATFORMS",
-                          "TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD")}
-    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
-                          env={**clean, "PYTHONPATH": ROOT, **env}, timeout=60)
+                          "TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD", "STARE_JAX_MALLOC_LIMIT_GB")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**clean, "PYTHONPATH": ROOT, **env}, timeout=120)
+
+
+def _probe(**env):
+    return _python(PROBE, **env)
 
 
 def test_choices_and_platforms():
@@ -86,10 +92,7 @@ GROW = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import n
 @pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
 def test_the_cache_of_freed_blocks_is_bounded_by_the_soft_limit():
     def peak_mb(limit_gb):
-        clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "_STARE_JAX_MALLOC_REEXEC")}
-        out = subprocess.run([sys.executable, "-c", GROW], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                             env={**clean, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "STARE_JAX_MALLOC": "tbb",
-                                  "STARE_JAX_MALLOC_LIMIT_GB": str(limit_gb)})
+        out = _python(GROW, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb", STARE_JAX_MALLOC_LIMIT_GB=str(limit_gb))
         assert out.returncode == 0, out.stderr
         return int(out.stdout)
 
