@@ -102,7 +102,9 @@ def main() -> None:
             times[k].append(run(k)[0])
     ref = np.asarray(first[layouts[0]].response_ids)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(policies[layouts[0]]) if hasattr(x, "size"))
-    out = {"cpu": common.host_cpu(),
+    from stare_jax import allocator
+
+    out = {"cpu": common.host_cpu(), "malloc": "tbb" if allocator.active() else "system",
            "devices": len(devices), "rows": args.rows, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
            "params": int(n_params), "layouts": {}}
     for k in layouts:
@@ -137,4 +139,8 @@ def profile(run, layout: str, directory: str, devices: int) -> dict:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from stare_jax import allocator
+
+    allocator.reexec_if_wanted()  # the malloc `python -m stare_jax.train` runs with (oneTBB's on CPU)
     main()

@@ -3,7 +3,9 @@
 Response lengths are fixed up front, independent of the model: drawn from a log-normal whose
 95th percentile is `--ratio` (default 10) times its 5th, scaled so that the 95th percentile is
 `--p95` x `--new-tokens`, rounded and clipped to [1, --new-tokens], from `--seed`
-(`--length-mix fixed` makes every response `--new-tokens` long instead). They are enforced by
+(`--length-mix fixed` makes every response `--new-tokens` long instead; `--length-mix recorded
+--lengths-from OUT.json[:k]` takes the response lengths of step k of a `bench_step.py --model`
+run, the mix the real-model workload produced). They are enforced by
 `generate(..., stop_lengths=...)` with no EOS ids: response r ends after exactly lengths[r]
 tokens in both samplers (one compare per row and step, the same cost in both), tokens are
 sampled at temperature 1 as usual. Both samplers produce the same responses (checked).
@@ -45,6 +47,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_peers"))
+
+import common  # noqa: E402  (scripts/bench_peers/common.py: host facts shared by the benchmarks)
 
 VOCAB = 1024
 Z95 = 1.6448536269514722  # standard normal 95th percentile
@@ -66,6 +71,27 @@ def length_mix(kind: str, n: int, max_len: int, *, ratio: float, p95: float, see
               "p95": q(95), "max": int(lengths.max()), "mean": round(float(lengths.mean()), 2),
               "clipped": int((draw >= max_len).sum()), "realised_ratio_p95_p5": round(q(95) / max(q(5), 1), 2)}
     return lengths, record
+
+
+def recorded_mix(source: str, n: int, max_len: int) -> tuple[np.ndarray, dict]:
+    """(lengths, record) of a step the real-model workload generated: `source` is a
+    `bench_step.py` JSON output, optionally with ":<step>" (default 0), whose stare-jax
+    `per_step[step].response_lens` (n of them, each at most max_len) become the mix."""
+    path, _, step = source.partition(":")
+    try:
+        with open(path) as f:
+            steps = json.load(f)["participants"]["stare-jax"]["per_step"]
+        lengths = np.asarray(steps[int(step or 0)]["response_lens"], np.int64)
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise SystemExit(f"bench_rollout_skew: --lengths-from {source!r}: no stare-jax per_step response_lens "
+                         f"({type(e).__name__}: {e})")
+    if lengths.size != n or lengths.min() < 1 or lengths.max() > max_len:
+        raise SystemExit(f"bench_rollout_skew: --lengths-from {source!r}: {lengths.size} lengths in "
+                         f"[{lengths.min()}, {lengths.max()}], the benchmark needs {n} in [1, {max_len}]")
+    q = lambda p: float(np.percentile(lengths, p))  # noqa: E731
+    return lengths, {"dist": "recorded", "source": source, "p5": q(5), "p50": q(50), "p95": q(95),
+                     "max": int(lengths.max()), "mean": round(float(lengths.mean()), 2),
+                     "at_max": int((lengths == max_len).sum()), "realised_ratio_p95_p5": round(q(95) / max(q(5), 1), 2)}
 
 
 def random_model(dtype: str, seed: int = 0):
@@ -101,7 +127,11 @@ def main() -> None:
                     help="comma-separated slot counts (default: batch / 2 for lognormal, batch for fixed)")
     ap.add_argument("--static-rows", default="",
                     help="comma-separated row counts: the static sampler run that many rows at a time as well")
-    ap.add_argument("--length-mix", choices=("lognormal", "fixed"), default="lognormal")
+    ap.add_argument("--length-mix", choices=("lognormal", "fixed", "recorded"), default="lognormal",
+                    help="recorded: the lengths of one real-model step, from --lengths-from")
+    ap.add_argument("--lengths-from", default="",
+                    help="a bench_step.py JSON output[:step]: its stare-jax step's response lengths "
+                         "(with --length-mix recorded)")
     ap.add_argument("--ratio", type=float, default=10.0, help="log-normal p95 / p5 length ratio")
     ap.add_argument("--p95", type=float, default=0.5, help="log-normal p95 length as a fraction of --new-tokens")
     ap.add_argument("--seed", type=int, default=0, help="seed of the length draw")
@@ -112,6 +142,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch % args.group_size:
         ap.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
+    if (args.length_mix == "recorded") != bool(args.lengths_from):
+        ap.error("--length-mix recorded and --lengths-from go together")
     if not (args.ratio > 1 and 0 < args.p95 <= 1):
         ap.error("--ratio must be > 1 and --p95 in (0, 1]")
     slot_counts = [int(s) for s in args.slots.split(",") if s] or [
@@ -122,7 +154,7 @@ def main() -> None:
     if any(r < 1 or r % args.group_size or args.batch % r for r in static_rows):
         ap.error("--static-rows: each must be a multiple of --group-size that divides --batch")
 
-    from stare_jax import distributed, parallel
+    from stare_jax import allocator, distributed, parallel
 
     distributed.use_cpu_devices(args.cpu_devices)
     import jax
@@ -139,8 +171,11 @@ def main() -> None:
             ap.error("--cpu-devices > 1 needs --model (the random model is built on one device)")
         policy, vocab = random_model(args.dtype), VOCAB
     ids, mask = make_prompts(args.batch // args.group_size, args.prompt_len, vocab)
-    lengths, mix = length_mix(args.length_mix, args.batch, args.new_tokens, ratio=args.ratio, p95=args.p95,
-                              seed=args.seed)
+    if args.length_mix == "recorded":
+        lengths, mix = recorded_mix(args.lengths_from, args.batch, args.new_tokens)
+    else:
+        lengths, mix = length_mix(args.length_mix, args.batch, args.new_tokens, ratio=args.ratio, p95=args.p95,
+                                  seed=args.seed)
     kw = dict(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), temperature=1.0,
               stop_lengths=lengths.astype(np.int32), pad_id=0)
 
@@ -220,9 +255,12 @@ def main() -> None:
     report |= {"model": args.model or "random-qwen2-256x4", "dtype": args.dtype, "devices": jax.device_count(),
                "platform": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
                "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
-               "jax": jax.__version__}
+               "jax": jax.__version__, "host_cpu": common.host_cpu(), "malloc": "tbb" if allocator.active() else "system"}
     print(json.dumps(report))
 
 
 if __name__ == "__main__":
+    from stare_jax import allocator
+
+    allocator.reexec_if_wanted()  # the malloc `python -m stare_jax.train` runs with (oneTBB's on CPU)
     main()

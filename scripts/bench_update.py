@@ -15,15 +15,21 @@ runs every setting on a single JAX CPU device (default: one per core, the rows d
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
-Prints one JSON object per setting: times (s), the kernel CPU time and minor page faults of each
+Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's float32 matmul
+peak on this host (GFLOP/s, measured once) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
 response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
-`op_seconds_per_device`.
+`op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
+rate against the peak, and the MFU bound each leaves) and the costliest compiled instructions (all, and all but matmuls) with
+their output shapes and the JAX operation and source line each came from. Like the trainer, the
+script runs under oneTBB's malloc on a CPU host (`STARE_JAX_MALLOC=system`: glibc's; the output's
+`malloc`).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import pickle
@@ -36,7 +42,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import common  # noqa: E402
-from profile_ops import op_seconds_per_device, trace_events  # noqa: E402
+import profile_ops  # noqa: E402
 
 
 def main() -> None:
@@ -61,13 +67,17 @@ def main() -> None:
         settings = [json.loads(s) for s in args.setting] or [{}]
     except json.JSONDecodeError as e:
         ap.error(f"--setting: not JSON: {e}")
-    if args.profile:  # on a GPU, ops run inside CUDA graphs are invisible to the profiler
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    if args.profile:  # on a GPU, ops run inside CUDA graphs are invisible to the profiler; the optimised
+        # programs are dumped to name each traced op's output shape and source
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer= "
+                                   f"--xla_dump_to={args.profile}/hlo --xla_dump_hlo_as_text "
+                                   "--xla_dump_hlo_pass_re=^$").strip()
 
     import bench_step
     import ours_peer
 
     workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
+    from stare_jax import allocator
     from stare_jax import config as config_lib
     from stare_jax import distributed, parallel, precision
     from stare_jax.distributed import cpu_devices_per_core
@@ -101,6 +111,8 @@ def main() -> None:
     with open(args.batch_cache, "rb") as f:
         batch = pickle.load(f)
 
+    # XLA's float32 matmul peak on this host, as bench_step.py measures it (the MFU's denominator)
+    peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, "float32"), common.accelerator_sizes())
     for i, setting in enumerate(settings):
         config = ours_peer.bench_config(workload)
         with config.unlocked():
@@ -137,18 +149,59 @@ def main() -> None:
             faults.append(used["minor_faults"])
             if trace and r == args.reps - 1:
                 jax.profiler.stop_trace()
+        model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
         result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
+                  "model_tflop": round(model_flops / 1e12, 4), "matmul_peak_gflops": peak,
+                  "mfu": round(model_flops / min(times) / (peak * 1e9), 3),
                   "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "loss": float(out["loss"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
-                  "devices": jax.device_count()}
+                  "devices": jax.device_count(), "malloc": "tbb" if allocator.active() else "system"}
         if trace:
-            events = trace_events(trace)
+            events = profile_ops.trace_events(trace)
+            texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo", "*after_optimizations.txt"))]
+            shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
             result["trace_events"] = len(events)
-            result["op_seconds_per_device"] = op_seconds_per_device(events, jax.device_count())
+            result["op_seconds_per_device"] = profile_ops.op_seconds_per_device(events, jax.device_count())
+            update_texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo",
+                                                                            "*update*after_optimizations.txt"))]
+            result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events,
+                                                                                 profile_ops.dot_flops(update_texts)),
+                                                  result["op_seconds_per_device"].get("dot", 0.0), model_flops,
+                                                  times[-1], peak, jax.device_count())
+            result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)
+            result["costliest_non_matmul_ops"] = profile_ops.costliest_ops(
+                events, shapes, origins, jax.device_count(), top=30, kinds=("fusion", "reduce-window", "reduce",
+                                                                             "broadcast", "concatenate", "copy",
+                                                                             "scatter", "multiply"))
         print(json.dumps(result), flush=True)
         del state, update, policy
 
 
+def matmul_accounting(executed_flops: float, dot_s: float, model_flops: float, update_s: float, peak_gflops: float,
+                      devices: int) -> dict:
+    """Where the traced update's time goes against its model-FLOP floor, per device: the matmul
+    FLOPs it executed (from the trace's dot executions and the HLO's shapes, rematerialised forwards
+    and the recomputed logits included) against the model FLOPs (bench_step.update_model_flops),
+    the rate its matmuls ran at against the host's peak, and the MFU each leaves possible:
+    `mfu_bound_executed_flops` = model / executed (every matmul at the peak, nothing else taking
+    time), `mfu_bound_matmul_rate` = model FLOPs over the matmuls' own time at the peak (nothing but
+    matmuls taking time), `mfu_traced` = the traced update's."""
+    per_device_peak = peak_gflops * 1e9 / devices
+    executed, model = executed_flops / devices, model_flops / devices
+    return {"executed_tflop_per_device": round(executed / 1e12, 3), "model_tflop_per_device": round(model / 1e12, 3),
+            "executed_over_model": round(executed / model, 3),
+            "dot_seconds_per_device": dot_s, "dot_gflops_per_device": round(executed / max(dot_s, 1e-9) / 1e9, 1),
+            "peak_gflops_per_device": round(per_device_peak / 1e9, 1),
+            "dot_rate_over_peak": round(executed / max(dot_s, 1e-9) / per_device_peak, 3),
+            "non_dot_seconds_per_device": round(update_s - dot_s, 2),
+            "mfu_bound_executed_flops": round(model / executed, 3),
+            "mfu_bound_matmul_rate": round(model / max(dot_s, 1e-9) / per_device_peak, 3),
+            "mfu_traced": round(model / update_s / per_device_peak, 3)}
+
+
 if __name__ == "__main__":
+    from stare_jax import allocator
+
+    allocator.reexec_if_wanted()  # the malloc `python -m stare_jax.train` runs with (oneTBB's on CPU)
     main()

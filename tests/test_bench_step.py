@@ -210,10 +210,37 @@ def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
                    ("dot.1", 1_000_000, 3_000_000), ("multiply_reduce_fusion", 5_000_000, 1_000_000),
                    ("dot.2", 8_000_000, 2_000_000)],
         "eigen2": [("wrapped_reduce-window.3", 0, 2_000_000), ("dot.1", 2_000_000, 4_000_000)]}})
-    events = bench_update.trace_events(str(tmp_path))
+    events = bench_update.profile_ops.trace_events(str(tmp_path))
     assert len(events) == 7 and ("eigen2", "dot.1", 2_000_000.0, 4_000_000.0) in events
-    assert bench_update.op_seconds_per_device(events, 2) == {"dot": 4.5, "while": 2.0, "reduce-window": 1.0,
-                                                             "fusion": 0.5}
+    assert bench_update.profile_ops.op_seconds_per_device(events, 2) == {"dot": 4.5, "while": 2.0,
+                                                                         "reduce-window": 1.0, "fusion": 0.5}
+
+
+def test_bench_update_counts_the_matmul_flops_each_traced_dot_executed():
+    """The update's matmul accounting: each `dot` of the optimised HLO costs 2 x output elements x
+    contracted elements, every traced execution counts (loop trips included), other ops none; and
+    the MFU bounds follow from executed, model and traced figures."""
+    bench_update = _load_script("bench_update", "bench_update.py")
+    hlo = """
+  %p.1 = f32[64,32]{1,0} parameter(0)
+  %w.2 = f32[32,16]{1,0} parameter(1)
+  %b.3 = f32[4,8,5]{2,1,0} parameter(2)
+  %c.4 = f32[4,5,3]{2,1,0} parameter(3)
+  %dot.5 = f32[64,16]{1,0} dot(%p.1, %w.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="x"}
+  %dot.6 = f32[4,8,3]{2,1,0} dot(%b.3, %c.4), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  %multiply_fusion.7 = f32[64,16]{1,0} fusion(%dot.5), kind=kLoop, calls=%f
+"""
+    profile_ops = bench_update.profile_ops
+    flops = profile_ops.dot_flops([hlo])
+    assert flops == {"dot.5": 2.0 * 64 * 16 * 32, "dot.6": 2.0 * 4 * 8 * 3 * 5}
+    events = [("t0", "dot.5", 0.0, 1.0), ("t0", "dot.5", 2.0, 1.0), ("t1", "dot.6", 0.0, 1.0),
+              ("t1", "multiply_fusion.7", 1.0, 1.0)]
+    assert profile_ops.executed_dot_flops(events, flops) == 2 * 65536.0 + 960.0
+    acc = bench_update.matmul_accounting(executed_flops=13e12, dot_s=50.0, model_flops=10e12, update_s=80.0,
+                                         peak_gflops=260.0, devices=2)
+    assert acc["executed_over_model"] == 1.3 and acc["dot_rate_over_peak"] == 1.0
+    assert acc["mfu_bound_executed_flops"] == round(1 / 1.3, 3) and acc["mfu_bound_matmul_rate"] == round(5 / 6.5, 3)
+    assert acc["mfu_traced"] == round(5e12 / 80.0 / 130e9, 3) and acc["non_dot_seconds_per_device"] == 30.0
 
 
 def test_profile_summary_on_an_accelerator_reads_the_device_ops(tmp_path):
@@ -240,6 +267,22 @@ def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
     assert {(x["chunk"], x["dw"]) for x in rows} == {(c, d) for c in (16, 97)
                                                       for d in ("allreduce_in_loop", "per_device_partials")}
     assert all(x["median_s"] > 0 and len(x["times_s"]) == 1 and x["devices"] == 2 for x in rows)
+
+
+def test_bench_vocab_pass_times_a_git_ref_beside_the_working_tree(tmp_path):
+    """`--against REF` loads the pass of git REF as a second module and times it beside the working
+    tree's, each line naming its code; an unknown ref stops with one line."""
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_vocab_pass.py"), "--tokens", "24", "--hidden", "8",
+         "--vocab", "97", "--chunks", "16", "--rounds", "1", "--with-pi2", "--dw", "per_device_partials", *extra],
+        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    r = run("--against", "HEAD")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [(x["code"], x["dw"], x["with_pi2"]) for x in rows] == [("working tree", "per_device_partials", True),
+                                                                   ("HEAD", "per_device_partials", True)]
+    bad = run("--against", "no-such-ref-xyz")
+    assert bad.returncode != 0 and "--against 'no-such-ref-xyz'" in bad.stderr.strip().splitlines()[-1]
 
 
 def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):

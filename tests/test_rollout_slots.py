@@ -1,6 +1,7 @@
 """Slot-refilling rollouts (`generate(..., slots=S)`, issue 20): the same responses as the static
 sampler for the same keys, at any slot count, without recompiling for new length outcomes."""
 
+import json
 import os
 
 import jax
@@ -176,6 +177,29 @@ def test_bench_length_mix_has_the_recorded_ratio():
     np.testing.assert_array_equal(again, lengths)
     fixed, _ = bench.length_mix("fixed", 5, 7, ratio=10.0, p95=0.5, seed=0)
     assert fixed.tolist() == [7] * 5
+
+
+def test_bench_recorded_length_mix_reads_a_bench_step_output(tmp_path):
+    """`--length-mix recorded --lengths-from OUT.json[:k]` takes stare-jax's response lengths of
+    step k of a bench_step.py output; a file without them, or lengths the batch cannot hold, stop
+    the script with one line naming the file."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "bench_rollout_skew.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_skew", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench_step.json"
+    steps = [{"response_lens": [3, 9, 9, 1]}, {"response_lens": [2, 2, 4, 9]}]
+    out.write_text(json.dumps({"participants": {"stare-jax": {"per_step": steps}}}))
+    lengths, mix = bench.recorded_mix(f"{out}:1", 4, 9)
+    assert lengths.tolist() == [2, 2, 4, 9] and mix["dist"] == "recorded" and mix["at_max"] == 1
+    assert bench.recorded_mix(str(out), 4, 9)[0].tolist() == [3, 9, 9, 1]
+    for source, n, max_len in ((f"{out}:2", 4, 9), (str(out), 8, 9), (str(out), 4, 8), (str(tmp_path / "no"), 4, 9)):
+        with pytest.raises(SystemExit) as exc:
+            bench.recorded_mix(source, n, max_len)
+        assert "--lengths-from" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_refills_per_step_are_capped_and_schedule_replays_the_cap(policies):

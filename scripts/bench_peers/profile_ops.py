@@ -113,3 +113,69 @@ def seconds_by_kind_and_shape(events, shapes: dict[str, str], devices: int, top:
         kind = base.split("_fusion")[0] if base in ("ynn_fusion", "xnn_fusion") else base
         sums[(kind, shapes[name])] += s
     return [[k, shape, round(v / devices, 3)] for (k, shape), v in sums.most_common(top)]
+
+
+def hlo_op_origins(hlo_texts) -> dict[str, str]:
+    """{instruction name: "op_name (file:line)"} from the `metadata` of optimised HLO module texts:
+    the JAX operation and source line each compiled instruction came from (a fusion carries the
+    metadata of its root)."""
+    origins: dict[str, str] = {}
+    for text in hlo_texts:
+        for name, meta in re.findall(r"%([\w.\-]+) = [^\n]*?metadata=\{([^}]*)\}", text):
+            op = re.search(r'op_name="([^"]*)"', meta)
+            src = re.search(r'source_file="([^"]*)"', meta)
+            line = re.search(r"source_line=(\d+)", meta)
+            where = f"{os.path.basename(src.group(1))}:{line.group(1)}" if src and line else ""
+            origins[name] = f"{op.group(1) if op else ''} ({where})".strip()
+    return origins
+
+
+def costliest_ops(events, shapes: dict[str, str], origins: dict[str, str], devices: int,
+                  top: int = 25, kinds: tuple[str, ...] = ()) -> list[list]:
+    """The `top` compiled instructions by self time per device: [name, output shape, origin
+    (`hlo_op_origins`), seconds]; with `kinds`, only instructions whose base name (before the first
+    ".", e.g. "fusion", "reduce-window", "dot") is one of them."""
+    rows = []
+    for name, s in self_seconds_by_op(events).items():
+        if name.startswith(SKIPPED_EVENTS) or name not in shapes:
+            continue
+        base = name.split(".")[0].removeprefix("wrapped_")
+        if kinds and not any(base == k or (k == "fusion" and "fusion" in base) for k in kinds):
+            continue
+        rows.append([name, shapes[name], origins.get(name, ""), round(s / devices, 3)])
+    rows.sort(key=lambda r: -r[3])
+    return rows[:top]
+
+
+def dot_flops(hlo_texts) -> dict[str, float]:
+    """{dot instruction name: FLOPs of one execution} of optimised HLO module texts: 2 x the output's
+    elements x the product of the left operand's contracting dimensions, for every `dot`
+    instruction (XLA:CPU's Eigen matmuls; matmuls inside XNNPACK/YNNPACK fusions are not counted)."""
+    flops: dict[str, float] = {}
+    for text in hlo_texts:
+        shapes = dict(re.findall(r"%([\w.\-]+) = (\S+) ", text))
+        for name, out, lhs, dims in re.findall(
+                r"%([\w.\-]+) = (\S+) dot\(%([\w.\-]+), %[\w.\-]+\)[^\n]*?lhs_contracting_dims=\{([\d,]*)\}", text):
+            out_dims, lhs_dims = _dims(out), _dims(shapes.get(lhs, ""))
+            if out_dims is None or lhs_dims is None:
+                continue
+            contracted = 1
+            for d in (int(x) for x in dims.split(",") if x):
+                contracted *= lhs_dims[d]
+            elements = 1
+            for d in out_dims:
+                elements *= d
+            flops[name] = 2.0 * elements * contracted
+    return flops
+
+
+def _dims(shape: str) -> list[int] | None:
+    """[d0, d1, ...] of an HLO array shape such as f32[6144,576]{1,0}; None if it is not one."""
+    m = re.match(r"\w+\[([\d,]*)\]", shape)
+    return [int(x) for x in m.group(1).split(",") if x] if m else None
+
+
+def executed_dot_flops(events, flops: dict[str, float]) -> float:
+    """FLOPs of every `dot` execution in `trace_events` (one event per execution, loop trips
+    included), from `dot_flops`; all threads together."""
+    return sum(flops.get(name, 0.0) for _, name, _, _ in events)
