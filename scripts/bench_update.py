@@ -20,7 +20,8 @@ peak on this host (GFLOP/s, measured once) and the MFU of the fastest update, th
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
 response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
 `op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
-rate against the peak, and the MFU bound each leaves) and the costliest compiled instructions (all, and all but matmuls) with
+rate against the peak, and the MFU bound each leaves), `matmuls_by_origin` (TFLOP, seconds and
+rate of each JAX operation's matmuls, per pass) and the costliest compiled instructions (all, and all but matmuls) with
 their output shapes and the JAX operation and source line each came from. Like the trainer, the
 script runs under oneTBB's malloc on a CPU host (`STARE_JAX_MALLOC=system`: glibc's; the output's
 `malloc`).
@@ -165,8 +166,11 @@ def main() -> None:
             result["op_seconds_per_device"] = profile_ops.op_seconds_per_device(events, jax.device_count())
             update_texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo",
                                                                             "*update*after_optimizations.txt"))]
-            result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events,
-                                                                                 profile_ops.dot_flops(update_texts)),
+            flops = profile_ops.dot_flops(update_texts)
+            result["matmuls_by_origin"] = profile_ops.matmuls_by_origin(
+                events, flops, profile_ops.hlo_op_origins(update_texts), jax.device_count(),
+                profile_ops.hlo_output_shapes(update_texts))
+            result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events, flops),
                                                   result["op_seconds_per_device"].get("dot", 0.0), model_flops,
                                                   times[-1], peak, jax.device_count())
             result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)

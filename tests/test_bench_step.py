@@ -236,6 +236,12 @@ def test_bench_update_counts_the_matmul_flops_each_traced_dot_executed():
     events = [("t0", "dot.5", 0.0, 1.0), ("t0", "dot.5", 2.0, 1.0), ("t1", "dot.6", 0.0, 1.0),
               ("t1", "multiply_fusion.7", 1.0, 1.0)]
     assert profile_ops.executed_dot_flops(events, flops) == 2 * 65536.0 + 960.0
+    origins = {"dot.5": "jit(f)/transpose(jvp())/dot_general (a.py:3)", "dot.6": "jit(f)/bkm,bmd->bkd/dot_general ()"}
+    shapes = profile_ops.hlo_output_shapes([hlo])
+    slow = [(t, n, start * 1e6, dur * 1e6) for t, n, start, dur in events]  # seconds, in us
+    assert profile_ops.matmuls_by_origin(slow, {"dot.5": 3e11, "dot.6": 5e11}, origins, 2, shapes) == [
+        ["bwd dot_general -> f32[64,16]", 0.3, 1.0, 300.0],  # two executions of 1 s, over 2 devices
+        ["fwd bkm,bmd->bkd -> f32[4,8,3]", 0.25, 0.5, 500.0]]
     acc = bench_update.matmul_accounting(executed_flops=13e12, dot_s=50.0, model_flops=10e12, update_s=80.0,
                                          peak_gflops=260.0, devices=2)
     assert acc["executed_over_model"] == 1.3 and acc["dot_rate_over_peak"] == 1.0

@@ -179,3 +179,27 @@ def executed_dot_flops(events, flops: dict[str, float]) -> float:
     """FLOPs of every `dot` execution in `trace_events` (one event per execution, loop trips
     included), from `dot_flops`; all threads together."""
     return sum(flops.get(name, 0.0) for _, name, _, _ in events)
+
+
+def matmuls_by_origin(events, flops: dict[str, float], origins: dict[str, str], devices: int,
+                      shapes: dict[str, str] | None = None, top: int = 40) -> list[list]:
+    """The traced `dot` executions grouped by where they came from: [group, TFLOP per device,
+    seconds per device, GFLOP/s], the `top` groups by time. A group is the dot's pass ("fwd",
+    "bwd" inside `transpose(jvp(...))`, "remat" for a rematerialised forward inside the backward),
+    the JAX operation of its metadata (an einsum spec or `dot_general`) and, with `shapes`, its
+    output shape."""
+    totals = self_seconds_by_op(events)
+    counts: collections.Counter = collections.Counter(name for _, name, _, _ in events)
+    groups: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, f in flops.items():
+        origin = origins.get(name, "")
+        op = origin.split(" (")[0].split("/")[-1] or "?"
+        if op == "dot_general":  # name the product by the einsum around it, when there is one
+            parts = origin.split(" (")[0].split("/")
+            op = parts[-2] if len(parts) > 1 and "->" in parts[-2] else op
+        phase = "remat" if "rematted_computation" in origin else ("bwd" if "transpose(" in origin else "fwd")
+        g = groups[f"{phase} {op}" + (f" -> {shapes.get(name, '?').split('{')[0]}" if shapes else "")]
+        g[0] += f * counts[name] / devices
+        g[1] += totals.get(name, 0.0) / devices
+    rows = [[k, round(v[0] / 1e12, 3), round(v[1], 2), round(v[0] / max(v[1], 1e-9) / 1e9, 1)] for k, v in groups.items()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
