@@ -160,16 +160,15 @@ def main() -> None:
                   "devices": jax.device_count(), "malloc": "tbb" if allocator.active() else "system"}
         if trace:
             events = profile_ops.trace_events(trace)
-            texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo", "*after_optimizations.txt"))]
+            # the update's optimised programs only: instruction names repeat across modules (the peak's)
+            texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo",
+                                                                     "*update*after_optimizations.txt"))]
             shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
             result["trace_events"] = len(events)
             result["op_seconds_per_device"] = profile_ops.op_seconds_per_device(events, jax.device_count())
-            update_texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo",
-                                                                            "*update*after_optimizations.txt"))]
-            flops = profile_ops.dot_flops(update_texts)
-            result["matmuls_by_origin"] = profile_ops.matmuls_by_origin(
-                events, flops, profile_ops.hlo_op_origins(update_texts), jax.device_count(),
-                profile_ops.hlo_output_shapes(update_texts))
+            flops = profile_ops.dot_flops(texts)
+            result["matmuls_by_origin"] = profile_ops.matmuls_by_origin(events, flops, origins, jax.device_count(),
+                                                                        shapes)
             result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events, flops),
                                                   result["op_seconds_per_device"].get("dot", 0.0), model_flops,
                                                   times[-1], peak, jax.device_count())
