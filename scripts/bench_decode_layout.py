@@ -104,7 +104,7 @@ def main() -> None:
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(policies[layouts[0]]) if hasattr(x, "size"))
     from stare_jax import allocator
 
-    out = {"cpu": common.host_cpu(), "malloc": "tbb" if allocator.active() else "system",
+    out = {"cpu": common.host_cpu(), "malloc": allocator.name(),
            "devices": len(devices), "rows": args.rows, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
            "params": int(n_params), "layouts": {}}
     for k in layouts:

@@ -255,7 +255,7 @@ def main() -> None:
     report |= {"model": args.model or "random-qwen2-256x4", "dtype": args.dtype, "devices": jax.device_count(),
                "platform": jax.devices()[0].platform, "cpu_count": os.cpu_count(),
                "load_avg_before": round(load_before, 2), "load_avg_after": round(load_after, 2),
-               "jax": jax.__version__, "host_cpu": common.host_cpu(), "malloc": "tbb" if allocator.active() else "system"}
+               "jax": jax.__version__, "host_cpu": common.host_cpu(), "malloc": allocator.name()}
     print(json.dumps(report))
 
 

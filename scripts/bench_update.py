@@ -157,7 +157,7 @@ def main() -> None:
                   "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "loss": float(out["loss"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
-                  "devices": jax.device_count(), "malloc": "tbb" if allocator.active() else "system"}
+                  "devices": jax.device_count(), "malloc": allocator.name()}
         if trace:
             events = profile_ops.trace_events(trace)
             # the update's optimised programs only: instruction names repeat across modules (the peak's)
@@ -173,10 +173,8 @@ def main() -> None:
                                                   result["op_seconds_per_device"].get("dot", 0.0), model_flops,
                                                   times[-1], peak, jax.device_count())
             result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)
-            result["costliest_non_matmul_ops"] = profile_ops.costliest_ops(
-                events, shapes, origins, jax.device_count(), top=30, kinds=("fusion", "reduce-window", "reduce",
-                                                                             "broadcast", "concatenate", "copy",
-                                                                             "scatter", "multiply"))
+            result["costliest_non_matmul_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(),
+                                                                            top=30, exclude=("dot",))
         print(json.dumps(result), flush=True)
         del state, update, policy
 

@@ -109,6 +109,12 @@ def active() -> bool:
         return False
 
 
+def name() -> str:
+    """The malloc serving this process, as the benchmarks record it: "tbb" (oneTBB's proxy loaded)
+    or "system"."""
+    return "tbb" if active() else "system"
+
+
 def soft_limit_bytes(environ: Mapping[str, str]) -> int:
     """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half the physical memory.
     Raises `AllocatorError` for a value that is not a positive number."""

@@ -63,6 +63,13 @@ def test_cli_process_reexecutes_with_tbbmalloc_on_cpu():
     assert _probe(JAX_PLATFORMS="cuda").stdout.split() == ["False", "None"]
 
 
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_name_is_what_the_benchmarks_record():
+    code = "from stare_jax import allocator; allocator.reexec_if_wanted(); print(allocator.name())"
+    assert _python(code, JAX_PLATFORMS="cpu").stdout.split() == ["tbb"]
+    assert _python(code, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system").stdout.split() == ["system"]
+
+
 def test_bad_choice_exits_2_with_one_line():
     out = _probe(STARE_JAX_MALLOC="jemalloc")
     assert out.returncode == 2

@@ -229,7 +229,7 @@ def serve(workload: dict, config) -> None:
         from stare_jax import allocator
 
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
-                     "malloc": "tbb" if allocator.active() else "system",
+                     "malloc": allocator.name(),
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
                      "dtype": config.model.dtype, "matmul_precision": config.model.matmul_precision, "slots": config.rollout.slots,
                      # weight replicas a decode step reads: the rollout mesh's batch shards

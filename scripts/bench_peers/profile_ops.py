@@ -131,16 +131,16 @@ def hlo_op_origins(hlo_texts) -> dict[str, str]:
 
 
 def costliest_ops(events, shapes: dict[str, str], origins: dict[str, str], devices: int,
-                  top: int = 25, kinds: tuple[str, ...] = ()) -> list[list]:
+                  top: int = 25, exclude: tuple[str, ...] = ()) -> list[list]:
     """The `top` compiled instructions by self time per device: [name, output shape, origin
-    (`hlo_op_origins`), seconds]; with `kinds`, only instructions whose base name (before the first
-    ".", e.g. "fusion", "reduce-window", "dot") is one of them."""
+    (`hlo_op_origins`), seconds]; instructions whose base name (before the first ".", e.g.
+    "fusion", "reduce-window", "dot") is in `exclude` are left out."""
     rows = []
     for name, s in self_seconds_by_op(events).items():
         if name.startswith(SKIPPED_EVENTS) or name not in shapes:
             continue
         base = name.split(".")[0].removeprefix("wrapped_")
-        if kinds and not any(base == k or (k == "fusion" and "fusion" in base) for k in kinds):
+        if base in exclude:
             continue
         rows.append([name, shapes[name], origins.get(name, ""), round(s / devices, 3)])
     rows.sort(key=lambda r: -r[3])
@@ -153,7 +153,7 @@ def dot_flops(hlo_texts) -> dict[str, float]:
     instruction (XLA:CPU's Eigen matmuls; matmuls inside XNNPACK/YNNPACK fusions are not counted)."""
     flops: dict[str, float] = {}
     for text in hlo_texts:
-        shapes = dict(re.findall(r"%([\w.\-]+) = (\S+) ", text))
+        shapes = hlo_output_shapes([text])
         for name, out, lhs, dims in re.findall(
                 r"%([\w.\-]+) = (\S+) dot\(%([\w.\-]+), %[\w.\-]+\)[^\n]*?lhs_contracting_dims=\{([\d,]*)\}", text):
             out_dims, lhs_dims = _dims(out), _dims(shapes.get(lhs, ""))
