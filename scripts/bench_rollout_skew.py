@@ -127,6 +127,9 @@ def main() -> None:
                     help="comma-separated slot counts (default: batch / 2 for lognormal, batch for fixed)")
     ap.add_argument("--static-rows", default="",
                     help="comma-separated row counts: the static sampler run that many rows at a time as well")
+    ap.add_argument("--compact", default="",
+                    help="comma-separated minimum row counts: the static sampler with compaction down to that "
+                         "many rows (`rollout.compact_min_rows`) as well")
     ap.add_argument("--length-mix", choices=("lognormal", "fixed", "recorded"), default="lognormal",
                     help="recorded: the lengths of one real-model step, from --lengths-from")
     ap.add_argument("--lengths-from", default="",
@@ -151,6 +154,9 @@ def main() -> None:
     if min(slot_counts) < 1:
         ap.error("--slots must be positive")
     static_rows = [int(s) for s in args.static_rows.split(",") if s]
+    compact_rows = [int(s) for s in args.compact.split(",") if s]
+    if min(compact_rows, default=1) < 1:
+        ap.error("--compact: each must be a positive row count")
     if any(r < 1 or r % args.group_size or args.batch % r for r in static_rows):
         ap.error("--static-rows: each must be a multiple of --group-size that divides --batch")
 
@@ -179,7 +185,10 @@ def main() -> None:
     kw = dict(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), temperature=1.0,
               stop_lengths=lengths.astype(np.int32), pad_id=0)
 
-    def run(num_slots: int, seed: int):
+    def run(num_slots, seed: int):
+        if isinstance(num_slots, tuple):  # ("compact", min rows): the static sampler, compacting
+            out = generate(policy, ids, mask, rng=jax.random.key(seed), compact_min_rows=num_slots[1], **kw)
+            return jax.block_until_ready(out)
         if num_slots < 0:  # the static sampler, -num_slots rows per call
             rows = -num_slots
             p = rows // args.group_size
@@ -192,7 +201,20 @@ def main() -> None:
         out = generate(policy, ids, mask, rng=jax.random.key(seed), slots=num_slots, **kw)
         return jax.block_until_ready(out)
 
-    names = {0: "static", **{-r: f"static_rows{r}" for r in static_rows}, **{s: f"slots{s}" for s in slot_counts}}
+    def steps_on_device(**spec_fields) -> tuple[int, int]:
+        """The (decode steps, second count) a sampler's `with_steps` rollout reports (`_compiled_rollout`)."""
+        from flax import nnx
+
+        graphdef, state = nnx.split(getattr(policy, "model", policy))
+        spec = sampler.RolloutSpec(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0,
+                                   sampling=sampler.SamplingParams(), mesh=mesh,
+                                   feature_major=sampler.feature_major_decode("auto", state), **spec_fields)
+        _, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(0),
+                                                                   lengths.astype(np.int32))
+        return int(steps[0]), int(steps[1])
+
+    names = {0: "static", **{-r: f"static_rows{r}" for r in static_rows}, **{s: f"slots{s}" for s in slot_counts},
+             **{("compact", m): f"static_compact{m}" for m in compact_rows}}
     for r in static_rows:
         run(-r, 0)  # warm-up (compilation at this row count)
     reference = run(0, 0)  # warm-up (compilation) and the responses every sampler must reproduce
@@ -201,21 +223,18 @@ def main() -> None:
     same = True
     identical = {}  # share of responses token-for-token equal to the static sampler's, per slot count
     device_steps = {}
+    for m in compact_rows:
+        out = run(("compact", m), 0)
+        got, want = np.asarray(out.response_ids), np.asarray(reference.response_ids)
+        same &= bool(np.array_equal(got, want))
+        identical[("compact", m)] = round(float((got == want).all(axis=1).mean()), 4)
+        device_steps[("compact", m)] = steps_on_device(compact_min_rows=m)
     for s in slot_counts:
         out = run(s, 0)
         got, want = np.asarray(out.response_ids), np.asarray(reference.response_ids)
         same &= bool(np.array_equal(got, want))
         identical[s] = round(float((got == want).all(axis=1).mean()), 4)
-        model = getattr(policy, "model", policy)
-        from flax import nnx
-
-        graphdef, state = nnx.split(model)
-        spec = sampler.RolloutSpec(group_size=args.group_size, max_new_tokens=args.new_tokens, eos_ids=(), pad_id=0,
-                                   sampling=sampler.SamplingParams(), mesh=mesh, slots=min(s, args.batch),
-                                   feature_major=sampler.feature_major_decode("auto", state))
-        _, steps = sampler._compiled_rollout(graphdef, spec, True)(state, ids, mask, jax.random.key(0),
-                                                                   lengths.astype(np.int32))
-        device_steps[s] = (int(steps[0]), int(steps[1]))
+        device_steps[s] = steps_on_device(slots=min(s, args.batch))
     times: dict[int, list[float]] = {s: [] for s in names}
     order = list(names)
     load_before = os.getloadavg()[0]
@@ -232,6 +251,17 @@ def main() -> None:
     static_tps = useful / statistics.median(times[0])
     for s, name in names.items():
         median = statistics.median(times[s])
+        if isinstance(s, tuple):
+            plan = sampler.compaction_schedule(lengths, sampler.decode_stages(args.batch, s[1], args.cpu_devices))
+            if (plan["decode_steps"], plan["row_steps"]) != device_steps[s]:
+                raise AssertionError(f"compaction schedule {plan['decode_steps']}, {plan['row_steps']} != device "
+                                     f"{device_steps[s]} (decode steps, row steps)")
+            report[name] = {"median_s": round(median, 4), "useful_tokens_per_s": round(useful / median, 1),
+                            "decode_steps": plan["decode_steps"], "row_steps": plan["row_steps"],
+                            "stages": plan["stages"], "idle_share": round(plan["idle_share"], 4),
+                            "identical_responses": identical[s],
+                            "speedup_vs_static": round(useful / median / static_tps, 3)}
+            continue
         plan = slots.schedule(lengths, s if s > 0 else args.batch)
         entry = {"median_s": round(median, 4), "useful_tokens_per_s": round(useful / median, 1)}
         if s == 0:

@@ -53,7 +53,10 @@ temperature 1 and up to 256 new tokens (`--new-tokens`), so response lengths var
 the reward is the final number (common.real_reward). Every participant loads the same directory.
 Generated tokens vary per step and participant: tokens/s is each one's own generated tokens over
 its own rollout time, and the update's model FLOPs count the tokens actually generated.
-`--slots N` runs stare-jax's slot-refilling sampler (rollout.slots) instead of the static batch.
+`--slots N` runs stare-jax's slot-refilling sampler (rollout.slots) instead of the static batch;
+`--compact-min-rows M` compacts the static batch's live rows down to M decode rows
+(rollout.compact_min_rows; default 16 on the real-model workload, where EOS ends rows early; the
+synthetic workloads disable EOS, so there is nothing to compact).
 `--pack-tokens M` sets stare-jax's `ppo.pack_tokens` (the update on packed responses, capacity
 rounded up to M tokens a device); default 1024 on the real-model workload, 0 on the synthetic ones
 (their responses all have the same length, so there is nothing to pack). The real-model workload
@@ -344,6 +347,9 @@ def main() -> None:
                     help="where a GGUF model is converted once (default runs/bench_models)")
     ap.add_argument("--slots", type=int, default=0,
                     help="stare-jax: slot-refilling rollouts with this many decode slots (0: static batch)")
+    ap.add_argument("--compact-min-rows", type=int, default=None,
+                    help="stare-jax: rollout.compact_min_rows, the static batch's compaction of finished rows "
+                         "down to this many decode rows (0: off; default 16 with --model, 0 otherwise)")
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="stare-jax: ppo.pack_tokens (default 1024 with --model, 0 otherwise; 0 = padded update)")
     ap.add_argument("--remat-saves", choices=("nothing", "projections"), default="nothing",
@@ -387,6 +393,10 @@ def main() -> None:
         ap.error("--new-tokens N (N >= 1) goes with --model")
     if args.slots < 0:
         ap.error("--slots must be >= 0")
+    if args.compact_min_rows is None:
+        args.compact_min_rows = 16 if args.model else 0
+    if args.compact_min_rows < 0:
+        ap.error("--compact-min-rows must be >= 0")
     if args.pack_tokens is None:
         args.pack_tokens = 1024 if args.model else 0
     if args.vocab_chunk is not None and args.vocab_chunk < 1:
@@ -420,7 +430,8 @@ def main() -> None:
                            check=True, stdout=subprocess.DEVNULL)
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
-                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots, pack_tokens=args.pack_tokens,
+                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots,
+                      compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
                       rollout_devices=args.rollout_devices))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
@@ -468,7 +479,8 @@ def main() -> None:
                       response_length_mean={n: round(statistics.mean(st["tokens"] for st in wk.steps)
                                                      / (workload["num_prompts"] * workload["group_size"]), 1)
                                             for n, wk in zip([w.name for w in workers], workers)},
-                      slots=args.slots, pack_tokens=args.pack_tokens, remat_saves=args.remat_saves,
+                      slots=args.slots, compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
+                      remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
                   steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,

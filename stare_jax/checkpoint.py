@@ -47,14 +47,14 @@ TODELETE = "todelete"
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
 # compiled programs are cached, the float rounding of computations: rematerialisation, the
-# vocabulary chunk, packing, the decode layers' layout).
+# vocabulary chunk, packing, the decode layers' layout and the static batch's compaction).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "rollout.decode_layout",
-                     "model.matmul_precision")
+                     "rollout.compact_min_rows", "model.matmul_precision")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.
@@ -64,6 +64,8 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               "loss.entropy_adv_kappa": 2.0, "loss.w_reinforce_lambda": 0.1, "loss.quadrants": "",
               # slot-refilling rollouts (issue 20): 0 is the static batch every earlier run used
               "rollout.slots": 0,
+              # the static batch's compaction (issue 20): 0 decodes every row to the end, as before
+              "rollout.compact_min_rows": 0,
               # what a rematerialised layer keeps (issue 20): "nothing" is the whole-layer remat of before
               "model.remat_saves": "nothing",
               # the precision of float32 products: "default" is each backend's own, as before

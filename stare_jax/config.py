@@ -107,6 +107,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.slots = 0                  # 0: static batch (all rows until the longest ends); S > 0: S decode
                                          #   slots refilled with the next pending response (same responses)
+    c.rollout.compact_min_rows = 0       # static batch: once at most half its rows are live, decode them in a
+                                         #   batch of half the rows, down to this many (0: off; same responses)
     c.rollout.decode_layout = "auto"     # decode layers "features" (x^T, W^T @ x^T: faster skinny matmuls on
                                          #   CPU), "rows", or "auto" (features on CPU); rounding differs only
 
@@ -310,6 +312,7 @@ SCHEMA: dict[str, Field] = {
     "rollout.top_p": _num(0.0, 1.0, lo_open=True), "rollout.top_k": _int(0),
     "rollout.slots": _int(0, describe="an integer >= 0 (0 = static batch, S = S refilled decode slots)"),
     "rollout.decode_layout": _choice("auto", "rows", "features"),
+    "rollout.compact_min_rows": _int(0, describe="an integer >= 0 (0 = off)"),
     "dynamic_sampling.enabled": _BOOL, "dynamic_sampling.max_num_gen_batches": _int(1),
     "reward.name": Field(str, check=lambda v: v in REWARDS or ":" in v,
                          describe="one of " + ", ".join(repr(r) for r in REWARDS) + " or 'module:function'"),

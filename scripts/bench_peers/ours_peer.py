@@ -60,6 +60,7 @@ def bench_config(workload: dict):
     c.dynamic_sampling.enabled = False
     c.reward.name = "common:real_reward" if real else "common:reward"
     c.rollout.slots = w.get("slots", 0)
+    c.rollout.compact_min_rows = w.get("compact_min_rows", 0)
     c.ppo.pack_tokens = w.get("pack_tokens", 0)
     if w.get("vocab_chunk"):  # None: the config default
         c.model.vocab_chunk = w["vocab_chunk"]

@@ -12,7 +12,15 @@ One jitted pure function (`grouped_rollout`) does the whole rollout on device:
    EOS, or after R tokens. The R response slots are split into `decode_segments` blocks with one
    loop each, and the loop of block j attends only to blocks 0..j: on average the steps read
    about (1 + 1/segments)/2 of the response cache instead of all of it (decode is bound by
-   reading the cache once responses are long).
+   reading the cache once responses are long);
+4. compaction (`compact_min_rows` > 0, `rollout.compact_min_rows`): the decode batch shrinks as
+   responses end. The loops run in stages of N, N/2, N/4, ... rows (`decode_stages`); a stage's
+   loops stop once at most the next stage's row count is live, and the live rows' response caches,
+   last tokens and prompt lengths are gathered into that smaller batch, each row with its own copy
+   of its prompt's keys/values (a group's rows no longer sit together). Outputs stay in response
+   order: each stage writes its rows' tokens through an index of their responses. Every stage is
+   its own set of loops in the compiled program (shapes stay static, nothing recompiles for new
+   lengths); `compaction_schedule` replays on the host which stage ran how many steps.
 
 The model enters as (graphdef, state): the graphdef and the `RolloutSpec` are static, the
 parameters are ordinary arguments, so new parameter values after an optimizer step reuse the
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
-from stare_jax.rollout.decode import decode_step, empty_response_cache, layer_params, prompt_cache
+from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
 from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs
 
 
@@ -88,6 +97,7 @@ class RolloutSpec:
     decode_segments: int = 1
     slots: int = 0  # 0: the grouped static sampler; S > 0: S refilled decode slots (`rollout.slots`)
     feature_major: bool = False  # decode layers feature-major (`decode` module docstring; the CPU default)
+    compact_min_rows: int = 0  # static sampler: halve the decode batch down to this many rows (0: off)
 
 
 def auto_segments(max_new_tokens: int) -> int:
@@ -108,7 +118,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
              eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
              pad_id: int | None = None, mesh: Mesh | None = None,
              decode_segments: int | None = None, slots: int = 0, stop_lengths=None,
-             num_groups: int | None = None, decode_layout: str = "auto") -> RolloutResult:
+             num_groups: int | None = None, decode_layout: str = "auto", compact_min_rows: int = 0) -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -139,6 +149,11 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     (`stare_jax.rollout.decode`), "rows" row-major, "auto" feature-major when the parameters live on
     CPU (where XLA's skinny matmuls are faster that way) and row-major elsewhere. The layouts
     differ in floating-point rounding only.
+    `compact_min_rows` (`rollout.compact_min_rows`; static batch only, 0 = off): once at most half
+    of the decode rows are live, the live ones move into a batch of half the rows (their keys and
+    values gathered, their prompts' keys/values copied per row), and so on down to this many rows,
+    so a batch whose responses mostly ended early stops paying for the finished rows. The same
+    responses for the same key (the randomness belongs to the response); rounding may differ.
     """
     model = getattr(policy, "model", policy)
     if not isinstance(model, Decoder):
@@ -154,7 +169,8 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
                                                                    bool(greedy)), mesh=mesh,
                        decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
                                            else decode_segments),
-                       feature_major=feature_major_decode(decode_layout, state))
+                       feature_major=feature_major_decode(decode_layout, state),
+                       compact_min_rows=0 if slots else _count(compact_min_rows, "compact_min_rows"))
     if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
         raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
                          f"{max_new_tokens} and {spec.decode_segments}")
@@ -193,11 +209,15 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
 @functools.lru_cache(maxsize=64)
 def _compiled_rollout(graphdef, spec: RolloutSpec, with_steps: bool = False):
     """The jitted rollout for one model structure and spec (jit caches per input shape):
-    `grouped_rollout`, or `slots.slot_rollout` when `spec.slots`. `with_steps` (slot sampler only)
-    makes it return (result, int32 [2]: decode steps, of them on shared prompts)."""
+    `grouped_rollout`, or `slots.slot_rollout` when `spec.slots`. `with_steps` makes it return
+    (result, int32 [2]): the static sampler's decode steps and rows stepped, the slot sampler's
+    decode steps and those of them on shared prompts."""
     out_shardings = None if spec.mesh is None else NamedSharding(spec.mesh, P(parallel.BATCH_AXES))
     if not spec.slots:
-        return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec), out_shardings=out_shardings)
+        if with_steps and out_shardings is not None:
+            out_shardings = (out_shardings, parallel.replicated(spec.mesh))
+        return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec, with_steps=with_steps),
+                       out_shardings=out_shardings)
     from stare_jax.rollout.slots import slot_rollout
 
     if with_steps and out_shardings is not None:
@@ -210,10 +230,12 @@ trace_count = 0  # times `grouped_rollout` has been traced (compiled); tests che
 
 
 def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
-                    stop_lengths: jax.Array | None = None, *, spec: RolloutSpec) -> RolloutResult:
+                    stop_lengths: jax.Array | None = None, *, spec: RolloutSpec, with_steps: bool = False):
     """Pure rollout of `nnx.merge(graphdef, state)`: prefill the [B, P] prompts once, then decode
     up to R tokens for each of the G rows per prompt (response r stops after at most
-    `stop_lengths[r]` tokens, see `generate`). Jit it with `graphdef` and `spec` static."""
+    `stop_lengths[r]` tokens, see `generate`). Jit it with `graphdef` and `spec` static.
+    `with_steps`: returns (result, int32 [2]: decode steps, rows stepped summed over them), which
+    `compaction_schedule` replays on the host."""
     global trace_count
     trace_count += 1
     model: Decoder = nnx.merge(graphdef, state)
@@ -237,54 +259,141 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
 
     uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
         jax.random.uniform(rng, (R, N), jnp.float32))
-
-    def record(outputs, t, logits):
-        """Chooses token t of every row from `logits` and writes it into the output buffers."""
-        done, ids, mask, logps = outputs
-        token = choose_tokens(logits, None if uniforms is None else uniforms[t], spec.sampling)
-        token, ends = finish_tokens(token, t, stop_lengths, spec.eos_ids)
-        live = ~done
-        token = jnp.where(live, token, spec.pad_id)
-        logp = jnp.where(live, token_log_probs(logits, token), 0.0)
-        done = done | (live & ends)
-        outputs = (done, ids.at[:, t].set(token), mask.at[:, t].set(live.astype(jnp.int32)), logps.at[:, t].set(logp))
-        return outputs, token
-
     outputs = (rows(jnp.zeros((N,), bool)), rows(jnp.full((N, R), spec.pad_id, jnp.int32)),
                rows(jnp.zeros((N, R), jnp.int32)), rows(jnp.zeros((N, R), jnp.float32)))
-    outputs, token = record(outputs, 0, first_logits)
+    whole = _Stage(None, prompt, prompt_lengths)
+    outputs, token = _record(spec, uniforms, stop_lengths, whole, outputs, 0, first_logits)
 
     # Token t (t >= 1) is sampled after feeding token t-1 into response slot t-1. The slots are
     # split into blocks, one while loop per block: the loop of block j writes block j and attends
-    # to blocks 0..j only, so early steps do not read the empty tail of the cache.
-    past: list[list] = [[] for _ in layers]
-    carry = (jnp.int32(1), token, outputs)
-    for start, end in segment_bounds(R, spec.decode_segments):
-        block = [tuple(map(kv_sharding(N), kv)) for kv in empty_response_cache(model, N, end - start)]
+    # to blocks 0..j only, so early steps do not read the empty tail of the cache. With compaction
+    # every stage has its loops over the blocks (`decode_stages`): a stage's loop also stops once
+    # at most the next stage's row count is live, and the live rows move into the smaller batch.
+    segments = segment_bounds(R, spec.decode_segments)
+    blocks = [[tuple(map(kv_sharding(N), kv)) for kv in empty_response_cache(model, N, end - start)]
+              for start, end in segments]                                     # [segment][layer] (k, v)
+    early_stop = bool(spec.eos_ids) or stop_lengths is not None
+    stages = decode_stages(N, spec.compact_min_rows if early_stop else 0,
+                           1 if spec.mesh is None else parallel.batch_divisor(spec.mesh))
+    stage, t, steps = whole, jnp.int32(1), jnp.zeros((2,), jnp.int32)
+    for s, n in enumerate(stages):
+        following = stages[s + 1] if s + 1 < len(stages) else 0
+        for j, (start, end) in enumerate(segments):
+            past = [[blocks[i][layer] for i in range(j)] for layer in range(len(layers))]
 
-        def keep_going(c, end=end):
-            t, _, _, (done, *_) = c
-            if not spec.eos_ids and stop_lengths is None:  # nothing stops a row early: a fixed trip count
-                return (t < R) & (t <= end)
-            return (t < R) & (t <= end) & ~jnp.all(done)
+            def keep_going(c, end=end, following=following):
+                t, _, _, (done, *_), _ = c
+                go = (t < R) & (t <= end)
+                if early_stop:  # nothing stops a row early otherwise: a fixed trip count
+                    go = go & ~jnp.all(done)
+                if following:  # a smaller batch holds every live row: compact
+                    go = go & (N - done.sum(dtype=jnp.int32) > following)
+                return go
 
-        def step(c, start=start):
-            """Feeds token t-1 (slot t-1 of the response, t-1-start of this block) and records token t."""
-            t, block, token, outputs = c
-            logits, block = decode_step(model, layers, prompt, block, token, prompt_lengths + t - 1, t - 1 - start,
-                                        past=past, rope=rope)
-            outputs, token = record(outputs, t, logits)
-            return t + 1, block, token, outputs
+            def step(c, start=start, past=past, stage=stage, n=n):
+                """Feeds token t-1 (slot t-1 of the response, t-1-start of this block) and records token t."""
+                t, block, token, outputs, steps = c
+                logits, block = decode_step(model, layers, stage.prompt, block, token, stage.prompt_lengths + t - 1,
+                                            t - 1 - start, past=past, rope=rope)
+                outputs, token = _record(spec, uniforms, stop_lengths, stage, outputs, t, logits)
+                return t + 1, block, token, outputs, steps + jnp.array([1, n], jnp.int32)
 
-        t, block, token, outputs = jax.lax.while_loop(keep_going, step, (carry[0], block, *carry[1:]))
-        carry = (t, token, outputs)
-        for layer_past, kv in zip(past, block):
-            layer_past.append(kv)
-    done, ids, mask, logps = carry[2]
-    return RolloutResult(tokens=jnp.concatenate([rows(repeat(prompt_ids)), ids], axis=1),
-                         attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
-                         response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
-                         prompt_len=prompt_len)
+            t, blocks[j], token, outputs, steps = jax.lax.while_loop(keep_going, step,
+                                                                     (t, blocks[j], token, outputs, steps))
+        if following:
+            stage, keep = _compact(stage, outputs[0], following, N, G, prompt, prompt_lengths)
+            take = lambda x: rows(jnp.take(x, keep, axis=0, mode="clip"))  # noqa: E731
+            token = take(token)
+            blocks = [[tuple(kv_sharding(following)(jnp.take(a, keep, axis=0, mode="clip")) for a in kv)
+                       for kv in segment] for segment in blocks]
+    done, ids, mask, logps = outputs
+    result = RolloutResult(tokens=jnp.concatenate([rows(repeat(prompt_ids)), ids], axis=1),
+                           attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
+                           response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
+                           prompt_len=prompt_len)
+    return (result, steps) if with_steps else result
+
+
+def decode_stages(rows: int, min_rows: int, divisor: int = 1) -> list[int]:
+    """Decode batch sizes of a compacting static rollout of `rows` responses: rows, rows/2, ...
+    while the half is whole, at least `min_rows` and divisible by `divisor` (the mesh's batch
+    shards); [rows] when `min_rows` is 0 (compaction off)."""
+    stages = [rows]
+    while min_rows and stages[-1] % 2 == 0 and stages[-1] // 2 >= min_rows and (stages[-1] // 2) % divisor == 0:
+        stages.append(stages[-1] // 2)
+    return stages
+
+
+def compaction_schedule(lengths, stages: list[int]) -> dict:
+    """Replays a (compacting) static rollout on the host from its response lengths (int [N],
+    tokens per response incl. EOS; token 0 comes from the prefill, so a response of length L is
+    live for decode steps 1 .. L-1): before step t the batch moves to the smallest of `stages`
+    (`decode_stages`) that holds every live row. Returns {"decode_steps", "row_steps" (rows stepped,
+    summed over the steps), "busy_row_steps", "idle_share", "stages": [[rows, steps], ...]}."""
+    lengths = np.asarray(lengths, np.int64)
+    stage, row_steps, per_stage = 0, 0, [0] * len(stages)
+    for t in range(1, int(lengths.max(initial=0))):
+        live = int((lengths > t).sum())
+        while stage + 1 < len(stages) and live <= stages[stage + 1]:
+            stage += 1
+        per_stage[stage] += 1
+        row_steps += stages[stage]
+    busy = int(np.maximum(lengths - 1, 0).sum())
+    return {"decode_steps": sum(per_stage), "row_steps": row_steps, "busy_row_steps": busy,
+            "idle_share": 0.0 if row_steps == 0 else 1.0 - busy / row_steps,
+            "stages": [[n, k] for n, k in zip(stages, per_stage)]}
+
+
+class _Stage(NamedTuple):
+    """The rows a decode stage runs: `index` [n] their responses (None: all, in order; the
+    out-of-range index N marks an empty row), with their prompts' keys/values (`PromptCache`, one
+    per group at the first stage, one per row after a compaction) and prompt lengths [n]."""
+
+    index: jax.Array | None
+    prompt: PromptCache
+    prompt_lengths: jax.Array
+
+
+def _record(spec: RolloutSpec, uniforms, stop_lengths, stage: _Stage, outputs, t, logits):
+    """Chooses token t of each of the stage's rows from `logits` [n, V] and writes it into the
+    output buffers (done [N], ids, mask, log-probs [N, R], response-major); returns (outputs, tokens)."""
+    done, ids, mask, logps = outputs
+    index = stage.index
+    pick = (lambda x: x) if index is None else (lambda x: jnp.take(x, index, axis=0, mode="clip"))  # noqa: E731
+    token = choose_tokens(logits, None if uniforms is None else pick(uniforms[t]), spec.sampling)
+    token, ends = finish_tokens(token, t, None if stop_lengths is None else pick(stop_lengths), spec.eos_ids)
+    live = ~done if index is None else ~jnp.take(done, index, axis=0, mode="fill", fill_value=True)
+    token = jnp.where(live, token, spec.pad_id)
+    logp = jnp.where(live, token_log_probs(logits, token), 0.0)
+    if index is None:
+        outputs = (done | (live & ends), ids.at[:, t].set(token), mask.at[:, t].set(live.astype(jnp.int32)),
+                   logps.at[:, t].set(logp))
+    else:  # empty rows (index N) are dropped; finished rows write what the static batch writes
+        outputs = (done.at[index].set(~live | ends, mode="drop"), ids.at[index, t].set(token, mode="drop"),
+                   mask.at[index, t].set(live.astype(jnp.int32), mode="drop"),
+                   logps.at[index, t].set(logp, mode="drop"))
+    return outputs, token
+
+
+def _compact(stage: _Stage, done: jax.Array, rows: int, N: int, G: int, prompt: PromptCache,
+             prompt_lengths: jax.Array) -> tuple[_Stage, jax.Array]:
+    """The next stage's `rows` rows: the current stage's live rows in order, then empty ones.
+    Returns (the stage, positions [rows] of its rows in the current stage, to gather caches with)."""
+    current = jnp.arange(N, dtype=jnp.int32) if stage.index is None else stage.index
+    live = ~jnp.take(done, current, axis=0, mode="fill", fill_value=True)
+    keep = jnp.nonzero(live, size=rows, fill_value=current.shape[0])[0].astype(jnp.int32)
+    index = jnp.take(current, keep, axis=0, mode="fill", fill_value=N)
+    group = jnp.minimum(index, N - 1) // G
+    per_row = lambda x: jnp.take(x, group, axis=0)  # noqa: E731
+    prompt = PromptCache([(per_row(k), per_row(v)) for k, v in prompt.layers], per_row(prompt.bias))
+    return _Stage(index, prompt, jnp.take(prompt_lengths, jnp.minimum(index, N - 1), axis=0)), keep
+
+
+def _count(value, name: str) -> int:
+    """`value` as an int >= 0, else a ValueError naming `name`."""
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
 
 
 def finish_tokens(token: jax.Array, t, stop_lengths: jax.Array | None, eos_ids: tuple[int, ...]
@@ -354,4 +463,5 @@ def _constraint(mesh: Mesh | None, spec: P):
     return lambda x: jax.lax.with_sharding_constraint(x, sharding)
 
 
-__all__ = ["RolloutResult", "RolloutSpec", "finish_tokens", "generate", "grouped_rollout"]
+__all__ = ["RolloutResult", "RolloutSpec", "compaction_schedule", "decode_stages", "finish_tokens", "generate",
+           "grouped_rollout"]
