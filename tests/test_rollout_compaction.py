@@ -3,21 +3,18 @@ issue 20): once at most half the decode rows are live the live ones move into a 
 rows. The same responses as the uncompacted sampler for the same keys; the host replay
 `compaction_schedule` predicts the rows the device stepped; new length outcomes do not recompile."""
 
-import os
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from stare_jax import config as config_lib
 from stare_jax import parallel
 from stare_jax.compilation import CompilationCounter
 from stare_jax.models import from_pretrained
 from stare_jax.rollout import generate, sampler
 from tests import hf_fixtures
 from tests.test_rollout import policies, prompts  # noqa: F401  (the same tiny policies and prompts)
-from tests.test_rollout_slots import PAD, SAMPLED, assert_same_rollout, lengths_of
+from tests.test_rollout_slots import PAD, SAMPLED, assert_rollout_count_key, assert_same_rollout, lengths_of
 
 
 def device_steps(policy, ids, mask, rng, stop, *, min_rows, **kw):
@@ -120,11 +117,4 @@ def test_rejects_bad_compact_min_rows(policies, capsys):
         with pytest.raises(ValueError, match="compact_min_rows"):
             generate(policies["qwen2"], ids, mask, rng=jax.random.key(0), group_size=2, max_new_tokens=3,
                      compact_min_rows=bad)
-    assert config_lib.default_config().rollout.compact_min_rows == 0
-    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.py")
-    c = config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.compact_min_rows=8"])
-    assert c.rollout.compact_min_rows == 8
-    with pytest.raises(SystemExit) as exc:
-        config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.compact_min_rows=-2"])
-    err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and "rollout.compact_min_rows" in err and len(err.splitlines()) == 1
+    assert_rollout_count_key(capsys, "compact_min_rows")

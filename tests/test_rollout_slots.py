@@ -149,15 +149,21 @@ def test_rejects_bad_slots_and_stop_lengths(policies):
         generate(policies["qwen2"], ids, mask, stop_lengths=np.ones(5, np.int32), **kw)
 
 
-def test_config_key_rollout_slots(capsys):
-    assert config_lib.default_config().rollout.slots == 0
+def assert_rollout_count_key(capsys, name: str):
+    """`rollout.<name>` defaults to 0, takes 16 on the quickstart config and refuses -2 with one
+    line naming the key (exit 2)."""
+    assert getattr(config_lib.default_config().rollout, name) == 0
     quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.py")
-    c = config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.slots=16"])
-    assert c.rollout.slots == 16
+    c = config_lib.load_config_or_exit(["train", "--config", quickstart, f"--config.rollout.{name}=16"])
+    assert getattr(c.rollout, name) == 16
     with pytest.raises(SystemExit) as exc:
-        config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.rollout.slots=-2"])
+        config_lib.load_config_or_exit(["train", "--config", quickstart, f"--config.rollout.{name}=-2"])
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and "rollout.slots" in err and len(err.splitlines()) == 1
+    assert exc.value.code == 2 and f"rollout.{name}" in err and len(err.splitlines()) == 1
+
+
+def test_config_key_rollout_slots(capsys):
+    assert_rollout_count_key(capsys, "slots")
 
 
 def test_bench_length_mix_has_the_recorded_ratio():
