@@ -21,9 +21,13 @@ on a near-flat distribution a float-rounding difference between batch shapes can
 token, and the rest of that response then differs).
 
     python scripts/bench_rollout_skew.py [--batch 64] [--group-size 8] [--new-tokens 256]
-        [--slots 32[,16]] [--static-rows 32[,16]] [--length-mix lognormal|fixed] [--repeats 5]
+        [--slots 32[,16]] [--static-rows 32[,16]] [--compact 16[,8]] [--length-mix lognormal|fixed|recorded]
+        [--repeats 5]
         [--model HF_DIR]
 
+`--compact M` adds the static sampler compacting its live rows down to M decode rows
+(`rollout.compact_min_rows`), with its decode steps, rows stepped and stages from the host replay
+`sampler.compaction_schedule`, checked against the device's counts.
 `--static-rows S` adds the static sampler run S rows at a time (S / G prompts per call, calls one
 after the other, each decoding until its own longest response ends): the same KV-cache memory as
 S slots, which is the comparison that matters when the batch does not fit on the device at once
