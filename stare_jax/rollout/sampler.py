@@ -301,7 +301,8 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
             t, blocks[j], token, outputs, steps = jax.lax.while_loop(keep_going, step,
                                                                      (t, blocks[j], token, outputs, steps))
         if following:
-            stage, keep = _compact(stage, outputs[0], following, N, G, prompt, prompt_lengths)
+            stage, keep = _compact(stage, outputs[0], following, N, G, prompt, prompt_lengths,
+                                   kv_sharding(following))
             take = lambda x: rows(jnp.take(x, keep, axis=0, mode="clip"))  # noqa: E731
             token = take(token)
             blocks = [[tuple(kv_sharding(following)(jnp.take(a, keep, axis=0, mode="clip")) for a in kv)
@@ -376,16 +377,18 @@ def _record(spec: RolloutSpec, uniforms, stop_lengths, stage: _Stage, outputs, t
 
 
 def _compact(stage: _Stage, done: jax.Array, rows: int, N: int, G: int, prompt: PromptCache,
-             prompt_lengths: jax.Array) -> tuple[_Stage, jax.Array]:
-    """The next stage's `rows` rows: the current stage's live rows in order, then empty ones.
-    Returns (the stage, positions [rows] of its rows in the current stage, to gather caches with)."""
+             prompt_lengths: jax.Array, kv_sharding) -> tuple[_Stage, jax.Array]:
+    """The next stage's `rows` rows: the current stage's live rows in order, then empty ones, with
+    per-row copies of their prompts' keys/values (placed by `kv_sharding`). Returns (the stage,
+    positions [rows] of its rows in the current stage, to gather caches with)."""
     current = jnp.arange(N, dtype=jnp.int32) if stage.index is None else stage.index
     live = ~jnp.take(done, current, axis=0, mode="fill", fill_value=True)
     keep = jnp.nonzero(live, size=rows, fill_value=current.shape[0])[0].astype(jnp.int32)
     index = jnp.take(current, keep, axis=0, mode="fill", fill_value=N)
     group = jnp.minimum(index, N - 1) // G
     per_row = lambda x: jnp.take(x, group, axis=0)  # noqa: E731
-    prompt = PromptCache([(per_row(k), per_row(v)) for k, v in prompt.layers], per_row(prompt.bias))
+    prompt = PromptCache([(kv_sharding(per_row(k)), kv_sharding(per_row(v))) for k, v in prompt.layers],
+                         per_row(prompt.bias))
     return _Stage(index, prompt, jnp.take(prompt_lengths, jnp.minimum(index, N - 1), axis=0)), keep
 
 
