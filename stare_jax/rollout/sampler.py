@@ -170,18 +170,17 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
                        decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
                                            else decode_segments),
                        feature_major=feature_major_decode(decode_layout, state),
-                       compact_min_rows=0 if slots else _count(compact_min_rows, "compact_min_rows"))
+                       compact_min_rows=_count(compact_min_rows, "compact_min_rows"))
     if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
         raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
                          f"{max_new_tokens} and {spec.decode_segments}")
-    if isinstance(slots, bool) or int(slots) != slots or slots < 0:
-        raise ValueError(f"slots must be an integer >= 0 (0 = static batch), got {slots!r}")
+    _count(slots, "slots")
     if np.ndim(prompt_ids) != 2 or np.shape(prompt_ids) != np.shape(prompt_mask) or np.shape(prompt_ids)[1] < 1:
         raise ValueError(f"prompt_ids and prompt_mask must both be [B, P] with P >= 1, got shapes "
                          f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
     rows = np.shape(prompt_ids)[0] * spec.group_size
-    if slots:
-        spec = dataclasses.replace(spec, slots=min(int(slots), rows))
+    if slots:  # the slot sampler refills rows instead of compacting them
+        spec = dataclasses.replace(spec, slots=min(int(slots), rows), compact_min_rows=0)
     if stop_lengths is not None and np.shape(stop_lengths) != (rows,):
         raise ValueError(f"stop_lengths must have one entry per response, shape ({rows},), got "
                          f"{np.shape(stop_lengths)}")
