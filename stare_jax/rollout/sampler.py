@@ -274,7 +274,8 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     early_stop = bool(spec.eos_ids) or stop_lengths is not None
     stages = decode_stages(N, spec.compact_min_rows if early_stop else 0,
                            1 if spec.mesh is None else parallel.batch_divisor(spec.mesh))
-    stage, t, steps = whole, jnp.int32(1), jnp.zeros((2,), jnp.int32)
+    # with_steps: [decode steps, rows stepped] ride in the loop carry; otherwise nothing is counted
+    stage, t, steps = whole, jnp.int32(1), jnp.zeros((2,), jnp.int32) if with_steps else None
     for s, n in enumerate(stages):
         following = stages[s + 1] if s + 1 < len(stages) else 0
         for j, (start, end) in enumerate(segments):
@@ -295,7 +296,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
                 logits, block = decode_step(model, layers, stage.prompt, block, token, stage.prompt_lengths + t - 1,
                                             t - 1 - start, past=past, rope=rope)
                 outputs, token = _record(spec, uniforms, stop_lengths, stage, outputs, t, logits)
-                return t + 1, block, token, outputs, steps + jnp.array([1, n], jnp.int32)
+                return t + 1, block, token, outputs, None if steps is None else steps + jnp.array([1, n], jnp.int32)
 
             t, blocks[j], token, outputs, steps = jax.lax.while_loop(keep_going, step,
                                                                      (t, blocks[j], token, outputs, steps))
