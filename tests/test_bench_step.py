@@ -359,3 +359,21 @@ def test_gpu_figures_stops_at_once_when_a_module_is_missing(tmp_path):
                           text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "unknown phase 'sideways'" in proc.stderr
     assert not (tmp_path / "out2").exists()
+
+
+def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_path):
+    """`bench_update.py --workload default`: bench_step's default workload (random checkpoint
+    written into the model cache, EOS off, so every response has all 64 tokens), its batch sampled
+    once into the batch cache, the padded update (pack_tokens 0) timed with its model FLOPs."""
+    cache = tmp_path / "models"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "default",
+                        "--reps", "1", "--cpu-devices", "1", "--model-cache", str(cache),
+                        "--batch-cache", str(tmp_path / "batch.pkl")],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["response_tokens"] == 8 * 8 * 64 and out["packed_capacity"] is None and out["devices"] == 1
+    assert (cache / "synthetic_default" / "config.json").exists() and (tmp_path / "batch.pkl").exists()
+    bench_step = _load_script("bench_step", "bench_step.py")  # its import puts bench_peers/common on the path
+    assert out["model_tflop"] == round(bench_step.update_model_flops(bench_step.common.DEFAULT) / 1e12, 4)
+    assert len(out["times_s"]) == 1 and out["times_s"][0] > 0 and 0 < out["mfu"] < 1
