@@ -124,10 +124,8 @@ def main() -> None:
         if real:
             tok = policy.tokenizer
             prompts, eos, pad = ours_peer.real_prompts(workload, tok)
-        else:  # as the benchmark's worker: the bench tokenizer, EOS off
-            tok, eos, pad = common.build_tokenizer(), (), common.PAD_ID
-            ids, _, truths = common.prompts(workload)
-            prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}
+        else:
+            prompts, tok, eos, pad = ours_peer.synthetic_prompts(workload)
         state = create_train_state(policy.model, base, mesh=mesh)
         with RewardPool(base.reward.name, num_workers=1, timeout_s=base.reward.timeout_s) as pool:
             batch, _ = collect_batch(base, state.model, tok, iter(lambda: prompts, None), pool, jax.random.key(0),

@@ -119,6 +119,17 @@ def real_prompts(workload: dict, tokenizer):
             eos_ids, pad_id)
 
 
+def synthetic_prompts(workload: dict):
+    """(prompt batch, tokenizer, EOS ids, pad id) of a synthetic workload, as `real_prompts` gives
+    the real one's: the fixed random prompts (no padding) with their ground truths, the bench
+    tokenizer, EOS off."""
+    import numpy as np
+
+    ids, _, truths = common.prompts(workload)
+    return ({"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)},
+            common.build_tokenizer(), (), common.PAD_ID)
+
+
 def main() -> None:
     workload = common.workload_from_argv()
     from stare_jax import compilation, distributed, precision
@@ -150,10 +161,7 @@ def serve(workload: dict, config) -> None:
         tokenizer = policy.tokenizer
         prompts, eos_ids, pad_id = real_prompts(workload, tokenizer)
     else:
-        tokenizer = common.build_tokenizer()
-        eos_ids, pad_id = (), common.PAD_ID
-        ids, _, truths = common.prompts(workload)
-        prompts = {"prompt_ids": ids, "prompt_mask": np.ones_like(ids), "ground_truth": np.asarray(truths)}
+        prompts, tokenizer, eos_ids, pad_id = synthetic_prompts(workload)
 
     def batches():
         while True:
