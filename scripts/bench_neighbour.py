@@ -208,7 +208,6 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     from flax import nnx
 
     from stare_jax import compilation, distributed, parallel
-    from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
 
     if args.heap_limit_mb:
@@ -220,14 +219,12 @@ def measure(workload: dict, interludes: list[str], args) -> dict:
     distributed.initialize(config)
     compilation.use_persistent_cache(config.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
     mesh = parallel.mesh_from_config(config.mesh)
-    policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
-                             scan_layers=config.model.scan_layers)
+    policy = ours_peer.load_policy(workload, config, mesh)
     state = create_train_state(policy.model, config, mesh=mesh)
     step = make_update_step(config, mesh, state)
     params = nnx.state(state)
     rollout_mesh = parallel.rollout_mesh(mesh, config.mesh.rollout_devices)
-    sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=rollout_mesh,
-                              scan_layers=config.model.scan_layers)
+    sampler = ours_peer.load_policy(workload, config, rollout_mesh)
     key = jax.random.key(workload["seed"])
     rollout = ours_peer.fixed_rollout(workload, sampler, rollout_mesh)
     batch = ours_peer.update_batch(workload, rollout(), mesh)

@@ -86,7 +86,6 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
     from flax import nnx
 
     from stare_jax import compilation, distributed, parallel
-    from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
 
     if pe_metrics:  # the same STARE config twice; the second traced without the pe_quad_* metrics
@@ -107,12 +106,10 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
     mesh = parallel.mesh_from_config(configs[first].mesh)
     steps = {}
     for loss, config in configs.items():
-        policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
-                                 scan_layers=config.model.scan_layers)
+        policy = ours_peer.load_policy(workload, config, mesh)
         state = create_train_state(policy.model, config, mesh=mesh)
         steps[loss] = [make_update_step(config, mesh, state, cpu_options=loss != "xnnpack"), nnx.state(state)]
-    sampler = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
-                              scan_layers=configs[first].model.scan_layers)  # the updates donate their weights
+    sampler = ours_peer.load_policy(workload, configs[first], mesh)  # the updates donate their weights
     key = jax.random.key(workload["seed"])
     rollout = ours_peer.fixed_rollout(workload, sampler, mesh)
     batch = ours_peer.update_batch(workload, rollout(), mesh)

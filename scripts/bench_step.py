@@ -35,6 +35,10 @@ The last line printed is one JSON object:
         the stare-jax worker also times a plain-GRPO update step on the same batch in the same
         process, alternating which runs first: medians over rounds of STARE update / GRPO update - 1,
         and of (STARE update - GRPO update) / STARE step (the rollout does not depend on the loss)
+    paired_setting, paired_median_update_s, paired_update_speedup   (with --paired-setting)
+        the worker also times an update built with those config overrides on the same batch,
+        alternating which runs first; the speedup is the median over steps of the main update's time
+        over the paired one's (> 1: the paired setting is faster)
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
     protocol: "alternate" (default) or "blocks", the order of the timed steps (`--protocol`)
     host_cpu: the host CPU's model name; each participant's `matmul_peak_gflops` is its own
@@ -328,6 +332,10 @@ def main() -> None:
                     help="Python of the environment with requirements-bench.txt (for --peer)")
     ap.add_argument("--grpo", action="store_true",
                     help="also time stare-jax's plain-GRPO update on the same batches (STARE overhead)")
+    ap.add_argument("--paired-setting", default=None, metavar="JSON",
+                    help="also time stare-jax's update under these config overrides (e.g. "
+                         "'{\"model.vocab_chunk\": 1024}') on the same batches, alternating with the main one "
+                         "in the same worker; not with --grpo")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="stare-jax on CPU: JAX devices to split the host into (mesh.cpu_devices; 0: one per "
                          "core, dividing the prompt count; 1: a single device)")
@@ -352,7 +360,7 @@ def main() -> None:
                          "down to this many decode rows (0: off; default 16 with --model, 0 otherwise)")
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="stare-jax: ppo.pack_tokens (default 1024 with --model, 0 otherwise; 0 = padded update)")
-    ap.add_argument("--remat-saves", choices=("nothing", "projections"), default="nothing",
+    ap.add_argument("--remat-saves", choices=("nothing", "mlp", "projections"), default="nothing",
                     help="stare-jax on the real-model workload (which rematerialises its layers): model.remat_saves, "
                          "what each layer keeps for the backward (default nothing: the whole layer is recomputed)")
     ap.add_argument("--vocab-chunk", type=int, default=None,
@@ -389,6 +397,22 @@ def main() -> None:
 
     if args.model and args.large:
         ap.error("--large and --model are different workloads: pick one")
+    paired_setting = None
+    if args.paired_setting is not None:
+        if args.grpo:
+            ap.error("--paired-setting and --grpo each take the worker's second update: pick one")
+        try:
+            paired_setting = json.loads(args.paired_setting)
+        except json.JSONDecodeError as e:
+            ap.error(f"--paired-setting: not JSON: {e}")
+        if not isinstance(paired_setting, dict) or not paired_setting:
+            ap.error("--paired-setting: a JSON object of config overrides, e.g. '{\"model.vocab_chunk\": 1024}'")
+        import ours_peer
+
+        try:
+            ours_peer.with_overrides(ours_peer.bench_config(dict(common.DEFAULT, checkpoint="")), paired_setting)
+        except KeyError as e:
+            ap.error(f"--paired-setting: {e.args[0]}")
     if args.new_tokens is not None and (not args.model or args.new_tokens < 1):
         ap.error("--new-tokens N (N >= 1) goes with --model")
     if args.slots < 0:
@@ -430,7 +454,7 @@ def main() -> None:
                            check=True, stdout=subprocess.DEVNULL)
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
-                 dict(workload, loss="stare", paired_grpo=args.grpo, slots=args.slots,
+                 dict(workload, loss="stare", paired_grpo=args.grpo, paired_setting=paired_setting, slots=args.slots,
                       compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
                       rollout_devices=args.rollout_devices))]
@@ -505,6 +529,12 @@ def main() -> None:
                                                                   for s in steps), 4)
         result["stare_overhead"] = round(statistics.median((s["update_s"] - s["grpo_update_s"]) / s["step_s"]
                                                            for s in steps), 4)
+    if paired_setting:  # the main update against the paired setting's, step by step on the same batches
+        steps = workers[0].steps
+        result["paired_setting"] = paired_setting
+        result["paired_median_update_s"] = round(statistics.median(s["paired_update_s"] for s in steps), 4)
+        result["paired_update_speedup"] = round(statistics.median(s["update_s"] / s["paired_update_s"]
+                                                                  for s in steps), 4)
     result.update(steady_state(result))
     print(json.dumps(result))
 

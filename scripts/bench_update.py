@@ -112,7 +112,6 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from stare_jax.models import from_pretrained
     from stare_jax.rl import create_train_state, make_update_step
 
     mesh = parallel.mesh_from_config(base.mesh)
@@ -120,7 +119,7 @@ def main() -> None:
         from stare_jax.rewards import RewardPool
         from stare_jax.trainer import collect_batch
 
-        policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh)
+        policy = ours_peer.load_policy(workload, base, mesh, load_tokenizer=real)
         if real:
             tok = policy.tokenizer
             prompts, eos, pad = ours_peer.real_prompts(workload, tok)
@@ -140,23 +139,15 @@ def main() -> None:
     # XLA's float32 matmul peak on this host, as bench_step.py measures it (the MFU's denominator)
     peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, "float32"), common.accelerator_sizes())
     for i, setting in enumerate(settings):
-        config = ours_peer.bench_config(workload)
-        with config.unlocked():
-            for key, value in setting.items():
-                node = config
-                *path, leaf = key.split(".")
-                for part in path:
-                    node = node[part]
-                if leaf not in node:
-                    raise SystemExit(f"bench_update: --setting: unknown config key {key!r}")
-                node[leaf] = value
+        try:
+            config = ours_peer.with_overrides(ours_peer.bench_config(workload), setting)
+        except KeyError as e:
+            raise SystemExit(f"bench_update: --setting: {e.args[0]}")
         try:
             config_lib.validate(config, jax.device_count())
         except config_lib.ConfigError as e:
             raise SystemExit(f"bench_update: --setting {json.dumps(setting)}: {e}")
-        policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
-                                 scan_layers=config.model.scan_layers, remat=config.model.remat,
-                                 remat_saves=config.model.remat_saves)
+        policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
         state = create_train_state(policy.model, config, mesh=mesh)
         update = make_update_step(config, mesh, state)
         arranged, packing = update.arrange(dict(batch))

@@ -66,6 +66,7 @@ def default_config() -> ml_collections.ConfigDict:
                                          #   bf16 passes on TPU, float32 on CPU) | float32 | tensorfloat32
     c.model.remat = False                # rematerialise each layer in the backward pass
     c.model.remat_saves = "nothing"      # what a rematerialised layer keeps: nothing (recompute it all) |
+                                         #   mlp (its gate/up outputs; recompute the attention half) |
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
@@ -294,7 +295,7 @@ SCHEMA: dict[str, Field] = {
     "model.path": _STR, "model.preset": _STR, "model.dtype": _choice("float32", "bfloat16"),
     "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL,
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
-    "model.remat_saves": _choice("nothing", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
+    "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

@@ -37,9 +37,16 @@ def prepare_policy(config, workdir: str, mesh) -> Policy:
     """Loads the policy to train: `model.path`, or the embedded tiny model, created (and warm-started
     by `warmstart.steps` of supervised training on reference answers) in `WORKDIR/model` on first
     use and reused afterwards."""
-    kw = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype, mesh=mesh, remat=config.model.remat,
-              remat_saves=config.model.remat_saves, scan_layers=config.model.scan_layers)
-    return from_pretrained(model_directory(config, workdir), **kw)
+    return from_pretrained(model_directory(config, workdir), mesh=mesh, **policy_options(config))
+
+
+def policy_options(config) -> dict:
+    """The `from_pretrained` keywords a run's `model.*` config asks for: compute and parameter
+    dtypes, rematerialisation and what it keeps, scanned or unrolled layers. Every place that
+    builds the policy of a config (the trainer, the benchmarks' workers) takes them from here."""
+    m = config.model
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_saves=m.remat_saves,
+                scan_layers=m.scan_layers)
 
 
 def model_directory(config, workdir: str, *, create: bool = True) -> str:

@@ -377,3 +377,45 @@ def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_p
     bench_step = _load_script("bench_step", "bench_step.py")  # its import puts bench_peers/common on the path
     assert out["model_tflop"] == round(bench_step.update_model_flops(bench_step.common.DEFAULT) / 1e12, 4)
     assert len(out["times_s"]) == 1 and out["times_s"][0] > 0 and 0 < out["mfu"] < 1
+
+
+def test_bench_workers_build_the_policy_their_config_asks_for(tiny_checkpoints):
+    """The benchmarks' stare-jax policy (`ours_peer.load_policy`, used by bench_step's worker,
+    bench_update, bench_stare_overhead and bench_neighbour) takes its compute dtype, parameter dtype
+    and rematerialisation policy from the config as the trainer does: a `--dtype bfloat16` or
+    `--remat-saves` run really computes that way (they once silently ran float32 whole-layer remat)."""
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench_peers"))
+    import ours_peer
+
+    workload = dict(ours_peer.common.DEFAULT, checkpoint=tiny_checkpoints["qwen2"], dtype="bfloat16")
+    config = ours_peer.bench_config(workload)
+    with config.unlocked():
+        config.model.remat, config.model.remat_saves = True, "mlp"
+    model = ours_peer.load_policy(workload, config, None).model
+    assert model.dtype == jnp.bfloat16 and model.remat and model.remat_saves == "mlp"
+    assert model.layers.arrays()["wq"].dtype == jnp.float32  # parameters stay float32
+    plain = ours_peer.load_policy(workload, ours_peer.bench_config(dict(workload, dtype="float32")), None).model
+    assert plain.dtype == jnp.float32 and not plain.remat
+
+
+def test_paired_setting_overrides_a_copy_and_bad_ones_exit_2():
+    """`--paired-setting` builds the worker's second update from a copy of its config with the
+    overrides applied (`ours_peer.with_overrides`, the original untouched); an unknown key or a
+    non-object is a one-line usage error (exit 2) before any worker starts."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench_peers"))
+    import ours_peer
+
+    base = ours_peer.bench_config(dict(ours_peer.common.DEFAULT, checkpoint=""))
+    other = ours_peer.with_overrides(base, {"model.vocab_chunk": 1024, "model.remat_saves": "mlp"})
+    assert (other.model.vocab_chunk, other.model.remat_saves) == (1024, "mlp")
+    assert (base.model.vocab_chunk, base.model.remat_saves) == (8192, "nothing")
+    for bad in ({"model.vocab_chnk": 1}, {"nomodel.x": 1}):
+        with pytest.raises(KeyError, match="unknown config key"):
+            ours_peer.with_overrides(base, bad)
+    for arg, msg in (('{"model.vocab_chnk": 1}', "unknown config key 'model.vocab_chnk'"),
+                     ("[1]", "a JSON object of config overrides"), ("{", "not JSON")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--paired-setting", arg],
+                           cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]

@@ -115,9 +115,10 @@ def test_unrolled_layers_and_explicit_matmul_gradient_match(tiny_checkpoints):
 
 
 def test_remat_policies_give_the_same_gradients_and_projections_are_not_recomputed(tiny_checkpoints):
-    """Rematerialised layers give the plain model's gradients under both `remat_saves` policies;
-    "nothing" repeats every matmul of the layer in the backward, "projections" only attention's
-    two (scores and the weighted sum of values), counted in the lowered program."""
+    """Rematerialised layers give the plain model's gradients under every `remat_saves` policy;
+    "nothing" repeats every matmul of the layer the backward needs (all but the down projection,
+    whose output only feeds the residual sum), "mlp" only the attention half's four (q/k/v, scores, weighted sum of values, o), "projections" only attention's two (scores and
+    the weighted sum of values), counted in the lowered program."""
     import re
 
     from flax import nnx
@@ -134,11 +135,13 @@ def test_remat_policies_give_the_same_gradients_and_projections_are_not_recomput
 
     plain, n_plain = grads_and_matmuls()
     whole, n_whole = grads_and_matmuls(remat=True)
+    mlp, n_mlp = grads_and_matmuls(remat=True, remat_saves="mlp")
     saved, n_saved = grads_and_matmuls(remat=True, remat_saves="projections")
-    assert n_saved == n_plain + 2 < n_whole
-    for a, b, c in zip(plain, whole, saved):
+    assert n_saved == n_plain + 2 and n_mlp == n_plain + 4 and n_whole == n_plain + 5, (n_plain, n_saved, n_mlp, n_whole)
+    for a, b, c, d in zip(plain, whole, saved, mlp):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(d), np.asarray(a), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="remat_saves"):
         from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False, remat=True, remat_saves="dots")
 

@@ -10,7 +10,9 @@ AdamW with STARE weights inside), exactly as `stare_jax.train` runs them. The wo
 With `paired_grpo` in the workload the worker also keeps a second train state with the plain GRPO
 loss and times its update on the same batch right after (every other step: right before) the
 STARE update, reporting it as `grpo_update_s`: STARE's overhead without the noise between
-processes. See common.py for the protocol.
+processes. `paired_setting` (config overrides, e.g. {"model.vocab_chunk": 1024}) does the same for
+a second update built with those overrides, reported as `paired_update_s`: two settings of the
+update compared on the same batches, alternating in one process. See common.py for the protocol.
 
 The real-model workload (common.is_real) loads the pretrained directory with its own tokenizer,
 left-pads the chat-templated prompts, stops each response at the model's EOS ids, scores with
@@ -72,6 +74,33 @@ def bench_config(workload: dict):
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
     return c
+
+
+def with_overrides(config, overrides: dict):
+    """A copy of `config` with the dotted-key `overrides` ({"model.vocab_chunk": 1024}) applied;
+    KeyError names a key the config does not have (validate the result with `config.validate`)."""
+    out = config.copy_and_resolve_references()
+    with out.unlocked():
+        for key, value in overrides.items():
+            node = out
+            *path, leaf = key.split(".")
+            for part in path:
+                node = node[part] if part in node else None
+                if node is None:
+                    break
+            if node is None or leaf not in node:
+                raise KeyError(f"unknown config key {key!r}")
+            node[leaf] = value
+    return out
+
+
+def load_policy(workload: dict, config, mesh, *, load_tokenizer: bool = False):
+    """The workload's checkpoint as the policy `config` asks for (compute dtype, rematerialisation and
+    what it keeps, scanned layers: `trainer.policy_options`, as the trainer builds it), on `mesh`."""
+    from stare_jax.models import from_pretrained
+    from stare_jax.trainer import policy_options
+
+    return from_pretrained(workload["checkpoint"], load_tokenizer=load_tokenizer, mesh=mesh, **policy_options(config))
 
 
 def fixed_rollout(workload: dict, sampler, mesh):
@@ -148,15 +177,13 @@ def serve(workload: dict, config) -> None:
 
     from stare_jax import parallel
     from stare_jax.compilation import CompilationCounter
-    from stare_jax.models import from_pretrained
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
     from stare_jax.trainer import collect_batch
 
     mesh = parallel.mesh_from_config(config.mesh)
     real = common.is_real(workload)
-    policy = from_pretrained(workload["checkpoint"], load_tokenizer=real, mesh=mesh,
-                             scan_layers=config.model.scan_layers, remat=config.model.remat)
+    policy = load_policy(workload, config, mesh, load_tokenizer=real)
     if real:
         tokenizer = policy.tokenizer
         prompts, eos_ids, pad_id = real_prompts(workload, tokenizer)
@@ -170,15 +197,17 @@ def serve(workload: dict, config) -> None:
     data_iter = batches()
     train_state = create_train_state(policy.model, config, mesh=mesh)
     update = make_update_step(config, mesh, train_state)
-    paired = None
-    if workload.get("paired_grpo"):
+    paired, paired_key = None, None
+    if workload.get("paired_grpo") or workload.get("paired_setting"):
         # A second train state (its own copy of the weights: updates donate their buffers) and the
-        # plain GRPO update step, timed on the same batches in the same process.
-        grpo_config = bench_config(dict(workload, loss="grpo"))
-        grpo_policy = from_pretrained(workload["checkpoint"], load_tokenizer=False, mesh=mesh,
-                                      scan_layers=config.model.scan_layers)
-        grpo_state = create_train_state(grpo_policy.model, grpo_config, mesh=mesh)
-        paired = [grpo_state, make_update_step(grpo_config, mesh, grpo_state)]
+        # plain GRPO update step (or the update under the paired setting), timed on the same
+        # batches in the same process.
+        if workload.get("paired_grpo"):
+            other, paired_key = bench_config(dict(workload, loss="grpo")), "grpo_update_s"
+        else:
+            other, paired_key = with_overrides(config, workload["paired_setting"]), "paired_update_s"
+        other_state = create_train_state(load_policy(workload, other, mesh).model, other, mesh=mesh)
+        paired = [other_state, make_update_step(other, mesh, other_state)]
     base_key = jax.random.key(config.seed)
     step = 0
 
@@ -204,13 +233,13 @@ def serve(workload: dict, config) -> None:
         t1 = time.perf_counter()
         batch, packing = update.arrange(batch)  # as the trainer does: groups balanced, layout from host memory
         sharded = parallel.shard_batch(batch, mesh)
-        grpo_first = paired is not None and step % 2 == 1  # alternate which update runs first
-        if grpo_first:
-            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
+        paired_first = paired is not None and step % 2 == 1  # alternate which update runs first
+        if paired_first:
+            paired[0], _, paired_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
         train_state, out, update_s = timed_update(train_state, update, sharded, jax.random.fold_in(key, 1), packing)
         update_kernel = dict(kernel)
-        if paired is not None and not grpo_first:
-            paired[0], _, grpo_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
+        if paired is not None and not paired_first:
+            paired[0], _, paired_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
         step += 1
         lens = batch["response_mask"].sum(axis=1).astype(int)
         tokens = int(lens.sum())
@@ -229,7 +258,7 @@ def serve(workload: dict, config) -> None:
             result["response_lens"] = lens.tolist()
             result["reward_mean"] = float(np.mean(batch["rewards"])) if "rewards" in batch else None
         if paired is not None:
-            result["grpo_update_s"] = grpo_s
+            result[paired_key] = paired_s
         return result
 
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,

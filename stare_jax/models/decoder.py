@@ -29,13 +29,17 @@ from stare_jax.models.packing import Packing, gather_packed, packed_token_index,
 _MASK_VALUE = -1e30
 
 # What a rematerialised layer keeps from its forward pass for the backward (`model.remat_saves`):
-# "nothing" recomputes the whole layer (one extra forward, least memory); "projections" keeps the
-# outputs of its matmuls (q/k/v, o, gate/up, down: ~5k values per token per layer for a 135M
-# model) and recomputes only the norms, RoPE, SwiGLU and attention from them, so the backward
-# repeats no matmul of the projections.
+# "nothing" recomputes the whole layer (one extra forward, least memory); "mlp" keeps the MLP's
+# gate/up outputs (2F values per token per layer: 3,072 for a 135M model), so the backward's
+# recomputation runs only the attention half (q/k/v, attention, o: about a quarter of a layer's
+# projection FLOPs) and SwiGLU; "projections" keeps the outputs of all its matmuls (q/k/v, o,
+# gate/up, down: ~5k values per token per layer) and recomputes only the norms, RoPE, SwiGLU and
+# attention from them, so the backward repeats no matmul of the projections.
 PROJECTION = "projection"
+MLP_GATE_UP = "mlp_gate_up"
 REMAT_SAVES = {"nothing": jax.checkpoint_policies.nothing_saveable,
-               "projections": jax.checkpoint_policies.save_only_these_names(PROJECTION)}
+               "mlp": jax.checkpoint_policies.save_only_these_names(MLP_GATE_UP),
+               "projections": jax.checkpoint_policies.save_only_these_names(PROJECTION, MLP_GATE_UP)}
 
 LAYER_PARAM_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
                      "mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
@@ -366,11 +370,11 @@ def _dense_bias_bwd(res, g):
 dense_bias.defvjp(_dense_bias_fwd, _dense_bias_bwd)
 
 
-def project(h: jax.Array, w: jax.Array, b: jax.Array | None, dtype) -> jax.Array:
-    """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype` (named
-    PROJECTION for the rematerialisation policy `remat_saves="projections"`)."""
+def project(h: jax.Array, w: jax.Array, b: jax.Array | None, dtype, name: str = PROJECTION) -> jax.Array:
+    """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype` (named `name`
+    for the rematerialisation policies of `REMAT_SAVES`)."""
     y = dense(h, w.astype(dtype)) if b is None else dense_bias(h, w.astype(dtype), b)
-    return checkpoint_name(y.astype(dtype), PROJECTION)
+    return checkpoint_name(y.astype(dtype), name)
 
 
 def fuse_projections(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -460,10 +464,10 @@ def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
     """x + W_down (silu(W_gate h) * W_up h), h = RMSNorm(x): the SwiGLU half of a block."""
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in p:
-        act = swiglu(project(h, p["w_gate_up"], p.get("b_gate_up"), dtype))
+        act = swiglu(project(h, p["w_gate_up"], p.get("b_gate_up"), dtype, MLP_GATE_UP))
     else:  # gate and up sharded over `tensor`: concatenating them would move data between devices
-        gate = project(h, p["w_gate"], p.get("b_gate"), dtype)
-        up = project(h, p["w_up"], p.get("b_up"), dtype)
+        gate = project(h, p["w_gate"], p.get("b_gate"), dtype, MLP_GATE_UP)
+        up = project(h, p["w_up"], p.get("b_up"), dtype, MLP_GATE_UP)
         act = silu_times(gate, up)
     return x + project(act, p["w_down"], p.get("b_down"), dtype)
 
