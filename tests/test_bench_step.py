@@ -419,3 +419,18 @@ def test_paired_setting_overrides_a_copy_and_bad_ones_exit_2():
         r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--paired-setting", arg],
                            cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
+
+
+def test_bench_step_times_a_paired_setting_on_the_same_batches():
+    """`--paired-setting`: the stare-jax worker times a second update built with the overrides on
+    every step's batch, and the result compares the two (per step, median speedup, each one's MFU)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "1",
+                        "--paired-setting", '{"model.vocab_chunk": 512}'],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["paired_setting"] == {"model.vocab_chunk": 512}
+    step = out["participants"]["stare-jax"]["per_step"][0]
+    assert step["paired_update_s"] == out["paired_median_update_s"] > 0
+    assert out["paired_update_speedup"] == pytest.approx(step["update_s"] / step["paired_update_s"], abs=1e-3)
+    assert 0 < out["paired_update_mfu"]["main"] < 1 and 0 < out["paired_update_mfu"]["paired"] < 1
