@@ -356,6 +356,23 @@ SCHEMA: dict[str, Field] = {
 }
 
 
+def set_dotted(config: ml_collections.ConfigDict, flat: dict[str, Any], *, strict: bool = True
+               ) -> ml_collections.ConfigDict:
+    """Sets each {"section.key": value} of `flat` on `config` in place (the inverse of `flatten`);
+    with `strict`, KeyError names a key `config` does not already have. Returns `config`."""
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            if strict and part not in node:
+                raise KeyError(f"unknown config key {key!r}")
+            node = node[part]
+        if strict and leaf not in node:
+            raise KeyError(f"unknown config key {key!r}")
+        node[leaf] = value
+    return config
+
+
 def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
     """{"a.b.c": value} for every leaf of a (nested) ConfigDict."""
     out = {}

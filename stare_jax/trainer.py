@@ -551,14 +551,7 @@ def config_from_json(flat: dict):
     """Rebuilds a ConfigDict from the flattened {"a.b": value} form stored in checkpoints."""
     from stare_jax import config as config_lib
 
-    c = config_lib.default_config()
-    for key, value in flat.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return config_lib.set_dotted(config_lib.default_config(), flat, strict=False)
 
 
 def load_trained_policy(workdir: str, *, config=None, step: int | None = None, mesh=None):

@@ -79,19 +79,11 @@ def bench_config(workload: dict):
 def with_overrides(config, overrides: dict):
     """A copy of `config` with the dotted-key `overrides` ({"model.vocab_chunk": 1024}) applied;
     KeyError names a key the config does not have (validate the result with `config.validate`)."""
+    from stare_jax.config import set_dotted
+
     out = config.copy_and_resolve_references()
     with out.unlocked():
-        for key, value in overrides.items():
-            node = out
-            *path, leaf = key.split(".")
-            for part in path:
-                node = node[part] if part in node else None
-                if node is None:
-                    break
-            if node is None or leaf not in node:
-                raise KeyError(f"unknown config key {key!r}")
-            node[leaf] = value
-    return out
+        return set_dotted(out, overrides)
 
 
 def load_policy(workload: dict, config, mesh, *, load_tokenizer: bool = False):
