@@ -364,10 +364,10 @@ def set_dotted(config: ml_collections.ConfigDict, flat: dict[str, Any], *, stric
         *parents, leaf = key.split(".")
         node = config
         for part in parents:
-            if strict and part not in node:
+            if strict and not (isinstance(node, ml_collections.ConfigDict) and part in node):
                 raise KeyError(f"unknown config key {key!r}")
             node = node[part]
-        if strict and leaf not in node:
+        if strict and not (isinstance(node, ml_collections.ConfigDict) and leaf in node):
             raise KeyError(f"unknown config key {key!r}")
         node[leaf] = value
     return config

@@ -411,7 +411,7 @@ def test_paired_setting_overrides_a_copy_and_bad_ones_exit_2():
     other = ours_peer.with_overrides(base, {"model.vocab_chunk": 1024, "model.remat_saves": "mlp"})
     assert (other.model.vocab_chunk, other.model.remat_saves) == (1024, "mlp")
     assert (base.model.vocab_chunk, base.model.remat_saves) == (8192, "nothing")
-    for bad in ({"model.vocab_chnk": 1}, {"nomodel.x": 1}):
+    for bad in ({"model.vocab_chnk": 1}, {"nomodel.x": 1}, {"model.dtype.f": 1}):
         with pytest.raises(KeyError, match="unknown config key"):
             ours_peer.with_overrides(base, bad)
     for arg, msg in (('{"model.vocab_chnk": 1}', "unknown config key 'model.vocab_chnk'"),
