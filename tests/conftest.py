@@ -18,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
 TEST_XLA_CACHE = os.path.join(tempfile.gettempdir(), f"stare-jax-tests-xla-cache-{_RUN}")
 os.environ.setdefault("STARE_COMPILATION_CACHE_DIR", TEST_XLA_CACHE)
+# ... and one stare-jax cache (models.tokenizer remembers AutoTokenizer's class choices there), so
+# no test writes to the user's ~/.cache.
+TEST_STARE_CACHE = os.path.join(tempfile.gettempdir(), f"stare-jax-tests-cache-{_RUN}")
+os.environ.setdefault("STARE_JAX_CACHE_DIR", TEST_STARE_CACHE)
 
 import jax  # noqa: E402
 
@@ -33,9 +37,10 @@ from tests import hf_fixtures  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The controller (not an xdist worker) removes the run's compilation cache."""
+    """The controller (not an xdist worker) removes the run's compilation and stare-jax caches."""
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(TEST_XLA_CACHE, ignore_errors=True)
+        shutil.rmtree(TEST_STARE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

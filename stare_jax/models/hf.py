@@ -237,13 +237,14 @@ def _read(tensor: np.ndarray, index: tuple, transposed: bool) -> np.ndarray:
 
 
 def load_tokenizer_dir(path: str):
-    """`transformers.AutoTokenizer` for `path`, or None (with a warning) when it has no tokenizer files."""
-    if not any(os.path.isfile(os.path.join(path, f)) for f in
-               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+    """The tokenizer of `path` as `transformers.AutoTokenizer` loads it (`models.tokenizer`, without
+    its start-up cost), or None (with a warning) when it has no tokenizer files."""
+    from stare_jax.models import tokenizer
+
+    if not tokenizer.has_tokenizer_files(path):
         log.warning("%s has no tokenizer files; the policy has no tokenizer", path)
         return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    return tokenizer.load_tokenizer(path)
 
 
 def save_pretrained(policy: Policy, path: str, *, max_shard_bytes: int = 4 << 30, dtype: str | None = None) -> None:
