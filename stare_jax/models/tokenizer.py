@@ -4,8 +4,9 @@
 (`tokenizer_config.json`, `config.json`: transformers 5 maps a `model_type` such as qwen2 to its
 own class, which imposes its own pipeline on `tokenizer.json`) and then calls that class's
 `from_pretrained(path)`. Choosing imports transformers' configuration machinery, which imports
-PyTorch whenever it is installed: ~5.5 s of every training, evaluation or export process's start
-on a 2-core host, against ~1.5 s for the chosen class by itself.
+PyTorch whenever it is installed: ~5.6 s of every training, evaluation or export process's start
+on a 2-core host, against ~1.6 s for a whole process that imports and loads the chosen class by
+itself (SmolLM2's `TokenizersBackend`, the AMD EPYC host of docs/performance.md).
 
 So the class AutoTokenizer chose is remembered, keyed by the content that decides it (the two
 files' bytes, which tokenizer files exist, the transformers version), under the stare-jax cache
