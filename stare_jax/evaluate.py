@@ -64,6 +64,7 @@ def main(argv=None) -> None:
     import jax
 
     from stare_jax import compilation, precision, trainer
+    from stare_jax.models import MODEL_INPUT_ERRORS
 
     compilation.use_persistent_cache(config.compilation_cache_dir)  # this command's setting (or the env's)
     cli_eval = config.eval
@@ -72,6 +73,9 @@ def main(argv=None) -> None:
         config, policy, step = trainer.load_trained_policy(workdir, step=step)
     except (FileNotFoundError, ckpt_lib.CheckpointUnusableError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except MODEL_INPUT_ERRORS as e:  # the run's model directory, damaged since it trained
+        print(f"model error: {e}", file=sys.stderr)
         sys.exit(2)
     for key, value in cli_eval.items():
         config.eval[key] = value

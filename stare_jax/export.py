@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     from stare_jax import checkpoint as ckpt_lib
     from stare_jax import trainer
     from stare_jax import workdir as workdir_lib
-    from stare_jax.models import save_pretrained
+    from stare_jax.models import MODEL_INPUT_ERRORS, save_pretrained
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"config error: --out: {args.out} exists and is a file; allowed: a new or existing directory",
@@ -46,6 +46,9 @@ def main(argv=None) -> None:
         sys.exit(2)
     except (FileNotFoundError, ckpt_lib.CheckpointUnusableError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except MODEL_INPUT_ERRORS as e:  # the run's model directory, damaged since it trained
+        print(f"model error: {e}", file=sys.stderr)
         sys.exit(2)
     save_pretrained(policy, args.out, dtype=args.dtype)
     print(f"exported step {step} of {args.workdir} to {args.out}")

@@ -4,7 +4,9 @@
 
 Running the same command again resumes from the latest usable checkpoint in WORKDIR/checkpoints.
 A bad config, a missing model or data path, a workdir that is a file or is in use by another
-training exit with status 2 and a one-line message before anything is compiled. SIGTERM/SIGINT
+training exit with status 2 and a one-line message before anything is compiled; so does a model
+directory that cannot be used (a damaged config.json, weights or tokenizer file, an unsupported
+architecture). SIGTERM/SIGINT
 finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md).
 """
 
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     from stare_jax import checkpoint, trainer
     from stare_jax.data import DataFormatError
     from stare_jax.dynamic_sampling import DynamicSamplingError
+    from stare_jax.models import MODEL_INPUT_ERRORS
     from stare_jax.models.gguf import GGUFImportError
     from stare_jax.preemption import Interrupted, Preempted
 
@@ -73,7 +76,7 @@ def main(argv=None) -> None:
         print("stopped by SIGINT before the first training step: nothing to save; rerun the same command to "
               "start again", file=sys.stderr)
         sys.exit(130)
-    except GGUFImportError as e:
+    except (GGUFImportError, *MODEL_INPUT_ERRORS) as e:
         print(f"model error: {e}", file=sys.stderr)
         sys.exit(2)
     except workdir_lib.WorkdirError as e:

@@ -307,6 +307,44 @@ def test_bad_training_inputs_exit_2_with_one_line(tiny_model, tmp_path):
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 
+def test_a_damaged_model_directory_exits_2_with_one_line(tiny_model, tmp_path):
+    """A model directory that cannot be read (config.json not JSON or lacking a field, the weights
+    cut short, a tokenizer file not JSON) stops training with one line naming the file, exit 2 and
+    no traceback; so do evaluate and export of a run whose model directory was damaged after it trained."""
+    model, data = tiny_model
+    good = shutil.copytree(model, str(tmp_path / "model"))
+    run = str(tmp_path / "run")
+    r = run_train(run, tiny_overrides(good, data, total_steps=1, checkpoint_every=1))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def write(text):
+        return lambda path: open(path, "w").write(text)
+
+    def drop_field(path):
+        with open(path) as f:
+            cfg = json.load(f)
+        del cfg["hidden_size"]
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+
+    def cut(path):
+        head = open(path, "rb").read(1000)
+        open(path, "wb").write(head)
+
+    cases = [("config.json", write("{bad"), ("model error:", "config.json", "cannot be read as JSON")),
+             ("config.json", drop_field, ("config.json", "hidden_size")),
+             ("model.safetensors", cut, ("model error:", "model.safetensors")),
+             ("tokenizer.json", write("{bad"), ("model error:", "tokenizer files cannot be loaded")),
+             ("tokenizer_config.json", write("{bad"), ("model error:", "tokenizer files cannot be loaded"))]
+    for i, (name, damage, needles) in enumerate(cases):
+        path = shutil.copytree(good, str(tmp_path / f"damaged{i}"))
+        damage(os.path.join(path, name))
+        _one_line_exit_2(run_train(str(tmp_path / f"work{i}"), tiny_overrides(path, data)), path, *needles)
+    write("{bad")(os.path.join(good, "tokenizer.json"))  # the trained run's model directory
+    _one_line_exit_2(_evaluate(run), "model error:", "tokenizer files cannot be loaded")
+    _one_line_exit_2(_export(run, str(tmp_path / "hf")), "model error:", "tokenizer files cannot be loaded")
+
+
 def test_bad_evaluate_and_export_inputs_exit_2_with_one_line(finished_run, tmp_path):
     workdir, *_ = finished_run
     _one_line_exit_2(_evaluate(workdir, "--step", "3"), "no complete step 3")

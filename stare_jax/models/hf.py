@@ -53,6 +53,16 @@ class CheckpointFormatError(ValueError):
     """A Hugging Face directory lacks a tensor, has an unexpected one, or has a wrong shape."""
 
 
+class ModelDirectoryError(ValueError):
+    """A Hugging Face directory's config.json or tokenizer files cannot be read (damaged, not JSON,
+    a required field missing); the message names the file and the cause on one line."""
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
 @dataclasses.dataclass
 class Policy:
     """A loaded causal LM: the NNX decoder, its architecture, tokenizer and mesh.
@@ -159,8 +169,17 @@ def load_config(path: str) -> ModelConfig:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model directory?)")
-    with open(cfg_file) as f:
-        return ModelConfig.from_hf_dict(json.load(f))
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelDirectoryError(f"{cfg_file}: cannot be read as JSON ({_one_line(e)})") from None
+    if not isinstance(hf, dict):
+        raise ModelDirectoryError(f"{cfg_file}: not a JSON object")
+    try:
+        return ModelConfig.from_hf_dict(hf)
+    except (KeyError, TypeError) as e:
+        raise ModelDirectoryError(f"{cfg_file}: a required field is missing or malformed ({_one_line(e)})") from None
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -244,7 +263,10 @@ def load_tokenizer_dir(path: str):
     if not tokenizer.has_tokenizer_files(path):
         log.warning("%s has no tokenizer files; the policy has no tokenizer", path)
         return None
-    return tokenizer.load_tokenizer(path)
+    try:
+        return tokenizer.load_tokenizer(path)
+    except Exception as e:  # transformers/tokenizers raise many types for a damaged file
+        raise ModelDirectoryError(f"{path}: its tokenizer files cannot be loaded ({_one_line(e)})") from e
 
 
 def save_pretrained(policy: Policy, path: str, *, max_shard_bytes: int = 4 << 30, dtype: str | None = None) -> None:
