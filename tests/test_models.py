@@ -359,3 +359,24 @@ def test_missing_and_misshapen_tensors_are_named(tiny_checkpoints, tmp_path):
     (trunc / "model.safetensors").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(ValueError, match="past the end|truncated"):
         from_pretrained(str(trunc))
+
+
+def test_a_damaged_config_json_is_named_with_its_cause(tiny_checkpoints, tmp_path):
+    """`load_config`: a config.json that is not JSON, not an object, or has a malformed or missing
+    field raises ModelDirectoryError naming the file; an unsupported architecture keeps its own error."""
+    from stare_jax.models import MODEL_INPUT_ERRORS, ModelDirectoryError, load_config
+
+    cfg = json.load(open(os.path.join(tiny_checkpoints["qwen2"], "config.json")))
+    cases = [("{bad", ModelDirectoryError, "cannot be read as JSON"), ("[1]", ModelDirectoryError, "not a JSON object"),
+             (json.dumps(dict(cfg, num_attention_heads="abc")), ModelDirectoryError, "malformed.*'abc'"),
+             (json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}), ModelDirectoryError, "hidden_size"),
+             (json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])), UnsupportedModelError, "GPT2LMHeadModel")]
+    for i, (text, error, match) in enumerate(cases):
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        (d / "config.json").write_text(text)
+        with pytest.raises(error, match=match) as info:
+            load_config(str(d))
+        assert isinstance(info.value, MODEL_INPUT_ERRORS)
+        assert error is UnsupportedModelError or str(d / "config.json") in str(info.value)
+        assert "\n" not in str(info.value)

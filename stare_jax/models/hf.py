@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from stare_jax import parallel
-from stare_jax.models.config import ModelConfig
+from stare_jax.models.config import ModelConfig, UnsupportedModelError
 from stare_jax.models.decoder import Decoder
 from stare_jax.models.safetensors_io import SafetensorsReader, write_file
 
@@ -178,7 +178,9 @@ def load_config(path: str) -> ModelConfig:
         raise ModelDirectoryError(f"{cfg_file}: not a JSON object")
     try:
         return ModelConfig.from_hf_dict(hf)
-    except (KeyError, TypeError) as e:
+    except UnsupportedModelError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
         raise ModelDirectoryError(f"{cfg_file}: a required field is missing or malformed ({_one_line(e)})") from None
 
 
