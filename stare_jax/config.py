@@ -644,9 +644,9 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
     except flags.IllegalFlagValueError as e:
         _exit_config_error(_flag_value_message(str(e), flag_name))
     except flags.Error as e:
-        _exit_config_error(f"config error: {_first_line(e)}")
+        _exit_config_error(f"config error: {first_line(e)}")
     except Exception as e:  # a config file that fails to load or run, or a bad override
-        _exit_config_error(f"config error: {type(e).__name__}: {_first_line(e)}")
+        _exit_config_error(f"config error: {type(e).__name__}: {first_line(e)}")
     return config
 
 
@@ -672,7 +672,9 @@ def _flag_value_message(text: str, flag_name: str) -> str:
     return f"config error: {key}: cannot parse {value!r} ({reason}); allowed: {allowed}"
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty), for
+    one-line error reports."""
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 

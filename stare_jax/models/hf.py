@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from stare_jax import parallel
+from stare_jax.config import first_line
 from stare_jax.models.config import ModelConfig, UnsupportedModelError
 from stare_jax.models.decoder import Decoder
 from stare_jax.models.safetensors_io import SafetensorsReader, write_file
@@ -59,8 +60,7 @@ class ModelDirectoryError(ValueError):
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 @dataclasses.dataclass
