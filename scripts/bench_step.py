@@ -435,9 +435,12 @@ def main() -> None:
         ap.error("--pack-tokens must be >= 0")
     if args.rollout_devices < 0:
         ap.error("--rollout-devices must be >= 0")
+    t_start = time.perf_counter()  # progress lines with elapsed times: a run cut off by a deadline shows where it was
     if args.model:
         workload = real_workload(args.model, args.model_cache, args.new_tokens or common.REAL["new_tokens"])
         workload["dtype"] = args.dtype
+        print(f"[bench_step] real workload ready at {time.perf_counter() - t_start:.1f}s ({workload['checkpoint']})",
+              file=sys.stderr, flush=True)
     else:
         workload = dict(common.LARGE if args.large else common.DEFAULT, dtype=args.dtype)
     workload["matmul_precision"] = args.matmul_precision
@@ -469,13 +472,15 @@ def main() -> None:
                  for p in args.peer]
         try:
             for name, script, python, w in plan:  # warm-up one at a time
-                print(f"[bench_step] starting {name}", file=sys.stderr, flush=True)
+                print(f"[bench_step] starting {name} at {time.perf_counter() - t_start:.1f}s", file=sys.stderr, flush=True)
                 workers.append(Worker(name, script, python, w))
+                print(f"[bench_step] {name} ready (warmed up) at {time.perf_counter() - t_start:.1f}s", file=sys.stderr,
+                      flush=True)
             for r in range(args.warmup_rounds):  # untimed: more compilation before the timed rounds
                 for wk in workers:
                     out = wk.step(record=False)
-                    print(f"[bench_step] warm-up round {r} {wk.name}: step {out['step_s']:.3f}s", file=sys.stderr,
-                          flush=True)
+                    print(f"[bench_step] warm-up round {r} {wk.name}: step {out['step_s']:.3f}s "
+                          f"(at {time.perf_counter() - t_start:.1f}s)", file=sys.stderr, flush=True)
             load_before = os.getloadavg()[0]
             stat_before = cpu_steal_jiffies()
             by_name = {wk.name: wk for wk in workers}

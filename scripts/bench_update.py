@@ -17,7 +17,7 @@ runs every setting on a single JAX CPU device (default: one per core, the rows d
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
 Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's float32 matmul
-peak on this host (GFLOP/s, measured once) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
+peak on this device in the setting's dtype (GFLOP/s, float32 or bfloat16 operands, measured once each) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
 response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
 `op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
@@ -136,8 +136,7 @@ def main() -> None:
     with open(args.batch_cache, "rb") as f:
         batch = pickle.load(f)
 
-    # XLA's float32 matmul peak on this host, as bench_step.py measures it (the MFU's denominator)
-    peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, "float32"), common.accelerator_sizes())
+    peaks: dict[str, float] = {}  # XLA's matmul peak on this device in each setting's dtype (the MFU's denominator)
     for i, setting in enumerate(settings):
         try:
             config = ours_peer.with_overrides(ours_peer.bench_config(workload), setting)
@@ -147,6 +146,10 @@ def main() -> None:
             config_lib.validate(config, jax.device_count())
         except config_lib.ConfigError as e:
             raise SystemExit(f"bench_update: --setting {json.dumps(setting)}: {e}")
+        dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+        if dtype not in peaks:  # as bench_step.py measures it
+            peaks[dtype] = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, dtype), common.accelerator_sizes())
+        peak = peaks[dtype]
         policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
         state = create_train_state(policy.model, config, mesh=mesh)
         update = make_update_step(config, mesh, state)
@@ -181,8 +184,8 @@ def main() -> None:
                                                                      "*update*after_optimizations.txt"))]
             shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
             result["trace_events"] = len(events)
-            result["op_seconds_per_device"] = profile_ops.op_seconds_per_device(events, jax.device_count())
             flops = profile_ops.dot_flops(texts)
+            result["op_seconds_per_device"] = profile_ops.op_seconds_per_device(events, jax.device_count(), flops)
             result["matmuls_by_origin"] = profile_ops.matmuls_by_origin(events, flops, origins, jax.device_count(),
                                                                         shapes)
             result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events, flops),
@@ -190,7 +193,7 @@ def main() -> None:
                                                   times[-1], peak, jax.device_count())
             result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)
             result["costliest_non_matmul_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(),
-                                                                            top=30, exclude=("dot",))
+                                                                            top=30, exclude=("dot",), matmuls=flops)
         print(json.dumps(result), flush=True)
         del state, update, policy
 
@@ -212,7 +215,7 @@ def matmul_accounting(executed_flops: float, dot_s: float, model_flops: float, u
             "peak_gflops_per_device": round(per_device_peak / 1e9, 1),
             "dot_rate_over_peak": round(executed / max(dot_s, 1e-9) / per_device_peak, 3),
             "non_dot_seconds_per_device": round(update_s - dot_s, 2),
-            "mfu_bound_executed_flops": round(model / executed, 3),
+            "mfu_bound_executed_flops": round(model / executed, 3) if executed else None,  # no matmul traced
             "mfu_bound_matmul_rate": round(model / max(dot_s, 1e-9) / per_device_peak, 3),
             "mfu_traced": round(model / update_s / per_device_peak, 3)}
 

