@@ -119,12 +119,13 @@ def module_at_ref(ref: str, path: str):
                                 text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"bench_vocab_pass: --against {ref!r}: cannot read {path} there ({e})")
-    file = os.path.join(tempfile.mkdtemp(prefix="bench_vocab_pass_"), os.path.basename(path))
-    with open(file, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"at_{ref}_{os.path.basename(path)[:-3]}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="bench_vocab_pass_") as tmp:  # gone once the module is loaded
+        file = os.path.join(tmp, os.path.basename(path))
+        with open(file, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location(f"at_{ref}_{os.path.basename(path)[:-3]}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module
 
 

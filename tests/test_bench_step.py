@@ -338,12 +338,16 @@ def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
 
 def test_bench_vocab_pass_times_a_git_ref_beside_the_working_tree(tmp_path):
     """`--against REF` loads the pass of git REF as a second module and times it beside the working
-    tree's, each line naming its code; an unknown ref stops with one line."""
+    tree's, each line naming its code, and leaves no copy of it behind; an unknown ref stops with
+    one line."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     run = lambda *extra: subprocess.run(  # noqa: E731
         [sys.executable, os.path.join(ROOT, "scripts", "bench_vocab_pass.py"), "--tokens", "24", "--hidden", "8",
          "--vocab", "97", "--chunks", "16", "--rounds", "1", "--with-pi2", "--dw", "per_device_partials", *extra],
-        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=subprocess_env(1, TMPDIR=str(tmp)), capture_output=True, text=True, timeout=600)
     r = run("--against", "HEAD")
+    assert not list(tmp.glob("bench_vocab_pass_*"))  # the REF's file was written to a temporary directory
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [(x["code"], x["dw"], x["with_pi2"]) for x in rows] == [("working tree", "per_device_partials", True),
