@@ -114,6 +114,22 @@ def test_countdown_builder(tmp_path):
         assert r["question"].decode() == r["ground_truth"].decode() + ":"
 
 
+def test_building_a_dataset_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
+    """TFDS makes an empty `tmp*tfds` directory whenever a builder is constructed for a directory
+    not yet prepared and never removes it; the builders construct theirs inside a private
+    temporary directory that goes afterwards, and Python's own temporary directory is restored."""
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    builders.countdown_source(str(tmp_path / "a"), "train", seed=0, train_size=8, test_size=2)
+    builders.arith_source(str(tmp_path / "b"), "train", seed=0, train_size=8, test_size=2)
+    builders.math_source(str(tmp_path / "c"), "train",
+                         splits={"train": [_jsonl(tmp_path / "m.jsonl", _math_rows(3))]}, name="m")
+    assert tempfile.tempdir == str(tmp) and list(tmp.iterdir()) == []
+
+
 def test_math_builder(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -27,6 +27,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -123,7 +125,8 @@ def countdown_builder(data_dir: str, *, seed: int = 0, train_size: int = 10_000,
         digest = _digest({"seed": seed, "train": train_size, "test": test_size, **knobs})
         name = f"s{seed}_n{train_size}_t{test_size}_{digest[:8]}"
     cfg = CountdownBuilderConfig(name=name, seed=seed, train_size=train_size, test_size=test_size, **knobs)
-    return StareCountdown(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
+    with _private_tempdir():
+        return StareCountdown(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
 
 
 def countdown_source(data_dir: str, split: str, **kwargs):
@@ -220,7 +223,8 @@ def arith_builder(data_dir: str, *, seed: int = 0, train_size: int = 10_000, tes
         digest = _digest({"seed": seed, "train": train_size, "test": test_size, **knobs})
         name = f"s{seed}_n{train_size}_t{test_size}_{digest[:8]}"
     cfg = ArithBuilderConfig(name=name, seed=seed, train_size=train_size, test_size=test_size, **knobs)
-    return StareArith(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
+    with _private_tempdir():
+        return StareArith(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
 
 
 def arith_source(data_dir: str, split: str, **kwargs):
@@ -297,7 +301,8 @@ def math_builder(data_dir: str, *, splits: Mapping[str, Sequence[str] | str], na
     if name is None:
         name = f"files_{fp[:12]}"
     cfg = MathPromptsConfig(name=name, splits=norm, description=f"sources sha1 {fp}")
-    return StareMathPrompts(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
+    with _private_tempdir():
+        return StareMathPrompts(data_dir=os.path.abspath(data_dir), config=cfg, file_format=FILE_FORMAT)
 
 
 def math_source(data_dir: str, split: str, *, splits: Mapping[str, Sequence[str] | str], name: str | None = None):
@@ -322,6 +327,23 @@ def _files_fingerprint(norm) -> str:
 
 def _digest(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _private_tempdir():
+    """Runs the block with Python's temporary directory pointed at a private one, removed after.
+
+    TFDS 4.9 makes an empty `tempfile.mkdtemp("tfds")` directory whenever a builder is constructed
+    for a directory not yet prepared (`DatasetInfo.initialize_from_bucket` creates it before it
+    finds GCS disabled) and never removes it: one left in /tmp by every new run's data build."""
+    old = tempfile.tempdir
+    root = tempfile.mkdtemp(prefix="stare_jax_tfds_")
+    tempfile.tempdir = root
+    try:
+        yield
+    finally:
+        tempfile.tempdir = old
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @contextlib.contextmanager
