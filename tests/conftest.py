@@ -22,6 +22,12 @@ os.environ.setdefault("STARE_COMPILATION_CACHE_DIR", TEST_XLA_CACHE)
 # no test writes to the user's ~/.cache.
 TEST_STARE_CACHE = os.path.join(tempfile.gettempdir(), f"stare-jax-tests-cache-{_RUN}")
 os.environ.setdefault("STARE_JAX_CACHE_DIR", TEST_STARE_CACHE)
+# ... and one temporary directory for the processes the tests start: what a process killed by a
+# fault test cannot clean up (multiprocessing's pymp-* directories) goes with it. A short name:
+# a Unix socket's path (multiprocessing's listeners live there) holds at most 107 bytes.
+TEST_TMP = os.path.join(tempfile.gettempdir(), f"stare-jax-tests-tmp-{_RUN[:12]}")
+os.makedirs(TEST_TMP, exist_ok=True)
+os.environ["TMPDIR"] = TEST_TMP
 
 import jax  # noqa: E402
 
@@ -37,10 +43,12 @@ from tests import hf_fixtures  # noqa: E402
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The controller (not an xdist worker) removes the run's compilation and stare-jax caches."""
+    """The controller (not an xdist worker) removes the run's compilation and stare-jax caches and
+    its processes' temporary directory."""
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(TEST_XLA_CACHE, ignore_errors=True)
         shutil.rmtree(TEST_STARE_CACHE, ignore_errors=True)
+        shutil.rmtree(TEST_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
