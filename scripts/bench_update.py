@@ -16,7 +16,7 @@ runs every setting on a single JAX CPU device (default: one per core, the rows d
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
-Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's float32 matmul
+Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's matmul
 peak on this device in the setting's dtype (GFLOP/s, float32 or bfloat16 operands, measured once each) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
 response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,

@@ -9,7 +9,7 @@
 #                                                         # seed after seed while the budget lasts
 #   bash scripts/gpu_figures.sh real OUT [BUDGET_S]       # SmolLM2: the real-model recipe and
 #                                                         # bench_step beside TRL, float32 and
-#                                                         # bfloat16; the update under three settings;
+#                                                         # bfloat16; the update under four settings;
 #                                                         # the length-skewed rollout benchmark
 #   bash scripts/gpu_figures.sh jobs OUT BUDGET_S NAME... # the named jobs of the catalogue below, in
 #                                                         # that order (what fits a session's device time)
@@ -33,7 +33,8 @@ shift $(( $# < 3 ? $# : 3 ))
 names=("$@")
 py=${PYTHON:-python3}
 catalogue=" peaks large_float32 large_bfloat16 default_float32 default_bfloat16 real_float32 real_bfloat16 \
-update_profile_bfloat16 update_profile_float32 skew_float32 skew_bfloat16 quickstart "
+update_profile_bfloat16 update_profile_float32 update_settings recipe_bfloat16 recipe_float32 skew_float32 \
+skew_bfloat16 quickstart "
 if [[ $phase != synthetic && $phase != real && $phase != study && $phase != jobs ]]; then
   echo "gpu_figures: unknown phase '$phase' (synthetic|real|study|jobs)" >&2
   exit 2
@@ -86,15 +87,27 @@ named() {  # named NAME: one job of the catalogue; float32 jobs run every partic
     large_bfloat16) job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16 ;;
     default_float32) job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32 ;;
     default_bfloat16) job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16 ;;
+    # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
     real_float32) job real_float32 300 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 \
-      --warmup-rounds 1 ;;
-    real_bfloat16) job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 1 ;;
+      --warmup-rounds 2 ;;
+    real_bfloat16) job real_bfloat16 300 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2 ;;
+    # the update with a per-op profile: --profile turns XLA's CUDA graphs off so the device's ops show
     update_profile_bfloat16) job "$1" 150 "$py" scripts/bench_update.py --reps 3 \
       --profile /tmp/gpu_runs/update_profile_bfloat16 --setting '{"model.dtype": "bfloat16"}' ;;
     update_profile_float32) job "$1" 150 "$py" scripts/bench_update.py --reps 3 \
       --profile /tmp/gpu_runs/update_profile_float32 \
       --setting '{"model.dtype": "float32", "model.matmul_precision": "float32"}' ;;
-    skew_float32 | skew_bfloat16)
+    update_settings) job update_settings 200 "$py" scripts/bench_update.py --reps 3 \
+      --profile /tmp/gpu_runs/update_profile --setting '{"model.dtype": "bfloat16"}' \
+      --setting '{"model.dtype": "float32"}' --setting '{"model.dtype": "bfloat16", "model.vocab_chunk": 49152}' \
+      --setting '{"model.dtype": "bfloat16", "ppo.pack_tokens": 0}' ;;
+    recipe_bfloat16 | recipe_float32)  # against this device's peaks (measured first when not yet)
+      [[ -f /tmp/gpu_runs/peaks.json ]] || named peaks
+      job "$1" 300 "$py" scripts/accelerator_figures.py recipe --dtype "${1#recipe_}" --root /tmp/gpu_runs \
+        --peaks /tmp/gpu_runs/peaks.json --out "/tmp/gpu_runs/$1.json" ;;
+    skew_float32 | skew_bfloat16)  # on the converted SmolLM2 directory (converted here when not yet)
+      "$py" -c "from stare_jax.models.gguf import ensure_converted, smollm2_gguf_path; \
+ensure_converted(smollm2_gguf_path(), 'runs/bench_models/smollm2')" >> "$out/log.txt" 2>&1
       job "$1" 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
         --static-rows 32 --repeats 3 --dtype "${1#skew_}" ;;
     quickstart) job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs \
@@ -102,15 +115,7 @@ named() {  # named NAME: one job of the catalogue; float32 jobs run every partic
   esac
 }
 mkdir -p /tmp/gpu_runs
-if [[ $phase == jobs ]]; then
-  for n in "${names[@]}"; do named "$n"; done
-elif [[ $phase == synthetic ]]; then
-  job large_float32 150 "$py" "${bench[@]}" --large --matmul-precision float32  # full fp32 both, not TF32
-  job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16
-  job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32
-  job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16
-  job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs --out /tmp/gpu_runs/quickstart.json
-elif [[ $phase == study ]]; then
+if [[ $phase == study ]]; then
   # docs/real_model.md, section 4, had one or two seeds a row on the CPU (23 min a run); on an H100 a
   # run takes ~1.5 min, so more seeds fit. Seed-major (GRPO-ds and STARE of seed 0, then of seed 1,
   # ...), resumable; the last minute is kept for the report of the runs that finished.
@@ -120,26 +125,17 @@ elif [[ $phase == study ]]; then
   job study_report 60 "$py" "${study[@]}" --report-only
   (cd /tmp/gpu_study 2>/dev/null && tar czf "$out/study_runs.tar.gz" --ignore-failed-read study.log \
     */seed_*/metrics.jsonl */seed_*/eval 2>/dev/null) || true
-else  # real: where the update's time goes and the equal-terms float32 row first (the recipe ran on
-  # an H100 at commit 7583736), then the recipe again, the bfloat16 row and the skewed rollouts
-  # the update (0.18 s on an H100, 14x its FLOP floor, the same under all four settings at 7583736)
-  # with a per-op profile of each: --profile turns XLA's CUDA graphs off so the device's ops show
-  job update_settings 200 "$py" scripts/bench_update.py --reps 3 --profile /tmp/gpu_runs/update_profile \
-    --setting '{"model.dtype": "bfloat16"}' --setting '{"model.dtype": "float32"}' \
-    --setting '{"model.dtype": "bfloat16", "model.vocab_chunk": 49152}' \
-    --setting '{"model.dtype": "bfloat16", "ppo.pack_tokens": 0}'
-  # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
-  job real_float32 300 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 --warmup-rounds 2
-  job recipe_bfloat16 300 "$py" scripts/accelerator_figures.py recipe --dtype bfloat16 --root /tmp/gpu_runs \
-    --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_bfloat16.json
-  job real_bfloat16 240 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2
-  job recipe_float32 300 "$py" scripts/accelerator_figures.py recipe --dtype float32 --root /tmp/gpu_runs \
-    --peaks docs/bench/h100/peaks.json --out /tmp/gpu_runs/recipe_float32.json
-  job skew_float32 180 "$py" scripts/bench_rollout_skew.py --model runs/bench_models/smollm2 --slots 32 \
-    --static-rows 32 --repeats 3
+else
+  if [[ $phase == synthetic ]]; then
+    names=(large_float32 large_bfloat16 default_float32 default_bfloat16 quickstart)
+  elif [[ $phase == real ]]; then  # where the update's time goes and the equal-terms float32 row first,
+    # then the recipe, the bfloat16 row and the skewed rollouts
+    names=(update_settings real_float32 recipe_bfloat16 real_bfloat16 recipe_float32 skew_float32)
+  fi
+  for n in "${names[@]}"; do named "$n"; done
   # a recipe cut off by the deadline still leaves its per-step metrics, evaluations and training log
   # (a rerun resumes it); one archive, as few files come back from a device
-  (cd /tmp/gpu_runs 2>/dev/null && tar czf "$out/recipe_runs.tar.gz" --ignore-failed-read smollm2_*.log \
-    smollm2_*/metrics.jsonl smollm2_*/eval 2>/dev/null) || true
+  (cd /tmp/gpu_runs 2>/dev/null && ls smollm2_*/metrics.jsonl > /dev/null 2>&1 && tar czf "$out/recipe_runs.tar.gz" \
+    --ignore-failed-read smollm2_*.log smollm2_*/metrics.jsonl smollm2_*/eval 2>/dev/null) || true
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$out/log.txt" 2>&1 || true
