@@ -22,8 +22,11 @@ update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries af
 response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
 `op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
 rate against the peak, and the MFU bound each leaves), `matmuls_by_origin` (TFLOP, seconds and
-rate of each JAX operation's matmuls, per pass) and the costliest compiled instructions (all, and all but matmuls) with
-their output shapes and the JAX operation and source line each came from. Like the trainer, the
+rate of each JAX operation's matmuls, per pass), the costliest compiled instructions (all, and all but matmuls) with
+their output shapes and the JAX operation and source line each came from, the other instructions'
+time by JAX operation (`non_matmul_by_origin`) and the device's busy time (`busy_s_per_device`), each
+from this setting's own update program (`profiled_programs`: its optimised HLO files; none when
+the program came from the persistent compilation cache, which dumps nothing). Like the trainer, the
 script runs under oneTBB's malloc on a CPU host (`STARE_JAX_MALLOC=system`: glibc's; the output's
 `malloc`).
 """
@@ -150,6 +153,8 @@ def main() -> None:
         if dtype not in peaks:  # as bench_step.py measures it
             peaks[dtype] = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, dtype), common.accelerator_sizes())
         peak = peaks[dtype]
+        hlo_glob = os.path.join(args.profile, "hlo", "*update*after_optimizations.txt")
+        earlier = set(glob.glob(hlo_glob)) if args.profile else set()  # the programs of the settings before this one
         policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
         state = create_train_state(policy.model, config, mesh=mesh)
         update = make_update_step(config, mesh, state)
@@ -179,9 +184,11 @@ def main() -> None:
                   "devices": jax.device_count(), "malloc": allocator.name()}
         if trace:
             events = profile_ops.trace_events(trace)
-            # the update's optimised programs only: instruction names repeat across modules (the peak's)
-            texts = [open(f).read() for f in glob.glob(os.path.join(args.profile, "hlo",
-                                                                     "*update*after_optimizations.txt"))]
+            # this setting's optimised update programs only: instruction names repeat across modules
+            # (the peak's, and each earlier setting's update)
+            files = sorted(set(glob.glob(hlo_glob)) - earlier)
+            texts = [open(f).read() for f in files]
+            result["profiled_programs"] = [os.path.basename(f) for f in files]
             shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
             result["trace_events"] = len(events)
             flops = profile_ops.dot_flops(texts)
@@ -194,6 +201,10 @@ def main() -> None:
             result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)
             result["costliest_non_matmul_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(),
                                                                             top=30, exclude=("dot",), matmuls=flops)
+            result["non_matmul_by_origin"] = profile_ops.seconds_by_origin(events, origins, jax.device_count(),
+                                                                           exclude=flops, top=30)
+            result["busy_s_per_device"] = round(sum(profile_ops.self_seconds_by_op(events).values())
+                                                / jax.device_count(), 5)
         print(json.dumps(result), flush=True)
         del state, update, policy
 

@@ -272,7 +272,7 @@ def test_profile_summary_on_an_accelerator_reads_the_device_ops(tmp_path):
     assert profile_ops.op_seconds_per_device(events, 1) == {"dot": 3.0, "fusion": 1.0}
 
 
-def test_profile_summary_on_a_gpu_without_an_ops_line_reads_the_kernel_streams(tmp_path):
+def test_profile_summary_on_a_gpu_without_an_ops_line_reads_the_kernel_streams(tmp_path, capsys):
     """JAX 0.11 on CUDA (the H200 of a lent session) writes no "XLA Ops" line: the device plane's
     kernel streams are read instead, each kernel named by its `hlo_op` stat, and the memset and
     kernel that one cuBLAS call launches back to back are one execution of its instruction (their
@@ -323,6 +323,18 @@ ENTRY %main.1 (arg_tuple.5: (bf16[1,11264,576], s32[])) -> f32[11264,8192] {
     assert shapes["custom-call.10"] == "f32[11264,8192]{1,0}"
     assert [r[0] for r in profile_ops.costliest_ops(events, shapes, {}, 1, exclude=("dot",), matmuls=flops)] == [
         "gemm_fusion_dot_general.185"]
+    origins = {"gemm_fusion_dot_general.185": "jit(u)/transpose(jvp())/checkpoint/convert_element_type (a.py:1)"}
+    assert profile_ops.seconds_by_origin(events, origins, 1, exclude=flops) == [["bwd convert_element_type", 1.0, 1]]
+    summary = profile_ops.summarize(str(tmp_path), [hlo])  # the CLI's summary, from the same trace and HLO
+    assert summary["executions"] == 4 and summary["busy_s"] == 10.0 and summary["span_s"] == 12.0
+    assert summary["matmul_executions"] == 3 and summary["matmul_s"] == 9.0
+    assert summary["executed_matmul_tflop"] == round(profile_ops.executed_dot_flops(events, flops) / 1e12, 3)
+    import gzip
+
+    with gzip.open(tmp_path / "update.txt.gz", "wt") as f:  # the command line reads gzipped HLO as kept in docs/bench
+        f.write(hlo)
+    assert profile_ops.main([str(tmp_path), str(tmp_path / "update.txt.gz")]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(summary))
 
 
 def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
