@@ -335,7 +335,9 @@ def _private_tempdir():
 
     TFDS 4.9 makes an empty `tempfile.mkdtemp("tfds")` directory whenever a builder is constructed
     for a directory not yet prepared (`DatasetInfo.initialize_from_bucket` creates it before it
-    finds GCS disabled) and never removes it: one left in /tmp by every new run's data build."""
+    finds GCS disabled) and never removes it: one left in /tmp by every new run's data build.
+    `tempfile.tempdir` is process-wide, so this is for start-up: the trainer builds its datasets
+    before it starts its reward workers."""
     old = tempfile.tempdir
     root = tempfile.mkdtemp(prefix="stare_jax_tfds_")
     tempfile.tempdir = root
