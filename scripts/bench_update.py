@@ -23,8 +23,8 @@ response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, wi
 `op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
 rate against the peak, and the MFU bound each leaves), `matmuls_by_origin` (TFLOP, seconds and
 rate of each JAX operation's matmuls, per pass), the costliest compiled instructions (all, and all but matmuls) with
-their output shapes and the JAX operation and source line each came from, the other instructions'
-time by JAX operation (`non_matmul_by_origin`) and the device's busy time (`busy_s_per_device`), each
+their output shapes and the JAX operation and source line each came from, and the rest of
+`profile_ops.summarize_events` (the other instructions' time by JAX operation, busy time and span), each
 from this setting's own update program (`profiled_programs`: its optimised HLO files; none when
 the program came from the persistent compilation cache, which dumps nothing). Like the trainer, the
 script runs under oneTBB's malloc on a CPU host (`STARE_JAX_MALLOC=system`: glibc's; the output's
@@ -189,22 +189,13 @@ def main() -> None:
             files = sorted(set(glob.glob(hlo_glob)) - earlier)
             texts = [open(f).read() for f in files]
             result["profiled_programs"] = [os.path.basename(f) for f in files]
-            shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
             result["trace_events"] = len(events)
+            result.update(profile_ops.summarize_events(events, texts, jax.device_count(), top=30))
             flops = profile_ops.dot_flops(texts)
-            result["op_seconds_per_device"] = profile_ops.op_seconds_per_device(events, jax.device_count(), flops)
-            result["matmuls_by_origin"] = profile_ops.matmuls_by_origin(events, flops, origins, jax.device_count(),
-                                                                        shapes)
-            result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events, flops),
-                                                  result["op_seconds_per_device"].get("dot", 0.0), model_flops,
-                                                  times[-1], peak, jax.device_count())
+            result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events, flops), result["matmul_s"],
+                                                  model_flops, times[-1], peak, jax.device_count())
+            shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
             result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)
-            result["costliest_non_matmul_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(),
-                                                                            top=30, exclude=("dot",), matmuls=flops)
-            result["non_matmul_by_origin"] = profile_ops.seconds_by_origin(events, origins, jax.device_count(),
-                                                                           exclude=flops, top=30)
-            result["busy_s_per_device"] = round(sum(profile_ops.self_seconds_by_op(events).values())
-                                                / jax.device_count(), 5)
         print(json.dumps(result), flush=True)
         del state, update, policy
 

@@ -302,18 +302,22 @@ def seconds_by_origin(events, origins: dict[str, str], devices: int, exclude=(),
 
 
 def summarize(trace_dir: str, hlo_texts: list[str], devices: int = 1, top: int = 15) -> dict:
+    """`summarize_events` of the trace in `trace_dir`."""
+    return summarize_events(trace_events(trace_dir), hlo_texts, devices, top)
+
+
+def summarize_events(events, hlo_texts: list[str], devices: int = 1, top: int = 15) -> dict:
     """Where a traced program's device time went: executions and busy time (the sum of their own
     times) per device, time by op kind, the matmuls' executions, executed TFLOP and rate (from the
     optimised HLO's shapes), the matmuls by origin and the other instructions by JAX operation,
     and the costliest non-matmul instructions."""
-    events = trace_events(trace_dir)
     flops, shapes, origins = dot_flops(hlo_texts), hlo_output_shapes(hlo_texts), hlo_op_origins(hlo_texts)
-    starts = [e[2] for e in events]
-    busy = sum(self_seconds_by_op(events).values()) / devices
-    matmul_s = sum(s for n, s in self_seconds_by_op(events).items() if n in flops) / devices
+    totals = self_seconds_by_op(events)
+    busy = sum(totals.values()) / devices
+    matmul_s = sum(s for n, s in totals.items() if n in flops) / devices
     executed = executed_dot_flops(events, flops) / devices
     return {"executions": len(events), "busy_s": round(busy, 5),
-            "span_s": round((max(e[2] + e[3] for e in events) - min(starts)) / 1e6, 5) if events else 0.0,
+            "span_s": round((max(e[2] + e[3] for e in events) - min(e[2] for e in events)) / 1e6, 5) if events else 0.0,
             "op_seconds_per_device": op_seconds_per_device(events, devices, flops),
             "matmul_executions": sum(1 for e in events if e[1] in flops), "matmul_s": round(matmul_s, 5),
             "executed_matmul_tflop": round(executed / 1e12, 3),
