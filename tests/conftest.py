@@ -5,10 +5,12 @@ import shutil
 import tempfile
 
 # The tests compile hundreds of small programs and run each a few times, so XLA:CPU's LLVM
-# optimisation passes cost more than they save; the training, evaluation and benchmark processes the
-# tests start get the same flags (e2e_helpers.subprocess_env). Set STARE_TEST_XLA_FLAGS="" to test
-# with the optimised code a run uses (the warm start's child process always does).
-os.environ.setdefault("STARE_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+# optimisation passes cost more than they save, and so does its MLIR fusion emitter (which builds an
+# MLIR context and pattern sets per kernel: a tiny model's update step compiles in 3 s with the
+# classic emitter against 8 s); the training, evaluation and benchmark processes the tests start get
+# the same flags (e2e_helpers.subprocess_env). Set STARE_TEST_XLA_FLAGS="" to test with the
+# optimised code a run uses (the warm start's child process always does).
+os.environ.setdefault("STARE_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {os.environ['STARE_TEST_XLA_FLAGS']}")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
