@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(HERE, "bench_peers"))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import checkpoint  # noqa: E402
 import common  # noqa: E402
 import ours_peer  # noqa: E402
 
@@ -85,7 +86,7 @@ for line in sys.stdin:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
+    common.add_synthetic_workload_flags(ap)
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds (each interlude once per round)")
     ap.add_argument("--interludes", default="none,idle,compute,memory",
                     help=f"comma-separated, of {','.join(INTERLUDES)}")
@@ -117,13 +118,12 @@ def main() -> None:
         ap.error("--rounds must be >= 1")
     from stare_jax.distributed import cpu_devices_per_core
 
-    workload = dict(common.LARGE if args.large else common.DEFAULT)
+    workload = dict(common.SYNTHETIC[common.synthetic_workload_name(args)])
     workload["cpu_devices"] = cpu_devices_per_core(workload["num_prompts"])
     workload["rollout_devices"] = args.rollout_devices
     with tempfile.TemporaryDirectory() as tmp:
         workload["checkpoint"] = os.path.join(tmp, "model")
-        subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
-                       + (["--large"] if args.large else []), check=True, stdout=subprocess.DEVNULL)
+        checkpoint.write_synthetic_checkpoint(workload["checkpoint"], common.synthetic_workload_name(args))
         print(json.dumps(measure(workload, interludes, args)))
 
 

@@ -12,7 +12,7 @@ two run in separate processes a few percent apart. Prints one JSON line:
     update_cpu_overhead the same from process CPU time (immune to time stolen by a VM's host)
     step_overhead       (median stare - median grpo) / (rollout + median stare)
 
-    python scripts/bench_stare_overhead.py [--large] [--rounds 15] [--cpu-devices N] [--pe-metrics | --cpu-matmuls]
+    python scripts/bench_stare_overhead.py [--large | --smoke] [--rounds 15] [--cpu-devices N] [--pe-metrics | --cpu-matmuls]
 
 With `--pe-metrics` the two alternating steps are STARE's with and without the polarity-entropy
 metrics (`pe_quad_*`, issue 18): the second is the same step traced with
@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,13 +39,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "bench_peers"))
 sys.path.insert(0, os.path.dirname(HERE))
 
+import checkpoint  # noqa: E402
 import common  # noqa: E402
 import ours_peer  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
+    common.add_synthetic_workload_flags(ap)
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds (one update of each loss per round)")
     ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
     ap.add_argument("--pe-metrics", action="store_true",
@@ -60,12 +60,11 @@ def main() -> None:
         ap.error("--rounds must be >= 1")
     from stare_jax.distributed import cpu_devices_per_core
 
-    workload = dict(common.LARGE if args.large else common.DEFAULT)
+    workload = dict(common.SYNTHETIC[common.synthetic_workload_name(args)])
     workload["cpu_devices"] = args.cpu_devices or cpu_devices_per_core(workload["num_prompts"])
     with tempfile.TemporaryDirectory() as tmp:
         workload["checkpoint"] = os.path.join(tmp, "model")
-        subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
-                       + (["--large"] if args.large else []), check=True, stdout=subprocess.DEVNULL)
+        checkpoint.write_synthetic_checkpoint(workload["checkpoint"], common.synthetic_workload_name(args))
         print(json.dumps(measure(workload, args.rounds, pe_metrics=args.pe_metrics, cpu_matmuls=args.cpu_matmuls)))
 
 

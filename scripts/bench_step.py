@@ -4,7 +4,8 @@ Workload (contract 9 of DESIGN.md): a Qwen2 model with random weights (vocab 102
 4 layers, 4 heads / 2 KV heads, intermediate 688, tied embeddings, float32); each step samples
 8 prompts x 8 responses, prompts of 32 tokens, exactly 64 new tokens per response (EOS disabled),
 scores them with a cheap text reward and takes one optimizer step. `--large`: hidden 512,
-8 layers, 128 new tokens.
+8 layers, 128 new tokens. `--smoke`: hidden 64, 2 layers, 4 x 4 responses of 16 tokens (a
+setup check; its times mean little).
 
 Every participant runs in its own process (scripts/bench_peers/*_peer.py), started and warmed up
 one after the other; then each timed round runs one step of each participant in turn, one at a
@@ -45,7 +46,7 @@ The last line printed is one JSON object:
         framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
         for TRL): ratios between frameworks depend on the host as much as on the code
 
-    python scripts/bench_step.py [--large] [--steps 5] [--warmup-rounds 0] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
+    python scripts/bench_step.py [--large | --smoke] [--steps 5] [--warmup-rounds 0] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]
                                  [--tunix-devices N] [--protocol alternate|blocks]
 
@@ -99,6 +100,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = os.path.join(HERE, "bench_peers")
 sys.path.insert(0, PEERS)
 
+import checkpoint  # noqa: E402
 import common  # noqa: E402
 from stare_jax import allocator  # noqa: E402
 from stare_jax.config import MATMUL_PRECISIONS  # noqa: E402
@@ -328,7 +330,7 @@ def step_schedule(names: list[str], steps: int, protocol: str = "alternate") -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
+    common.add_synthetic_workload_flags(ap)
     ap.add_argument("--steps", type=int, default=5, help="timed rounds (one step of each participant per round)")
     ap.add_argument("--peer", action="append", choices=("trl", "tunix"), default=[],
                     help="also run this peer (repeatable)")
@@ -401,8 +403,8 @@ def main() -> None:
     if args.warmup_rounds < 0:
         ap.error("--warmup-rounds must be >= 0")
 
-    if args.model and args.large:
-        ap.error("--large and --model are different workloads: pick one")
+    if args.model and (args.large or args.smoke):
+        ap.error(f"--{common.synthetic_workload_name(args)} and --model are different workloads: pick one")
     paired_setting = None
     if args.paired_setting is not None:
         if args.grpo:
@@ -444,7 +446,7 @@ def main() -> None:
         print(f"[bench_step] real workload ready at {time.perf_counter() - t_start:.1f}s ({workload['checkpoint']})",
               file=sys.stderr, flush=True)
     else:
-        workload = dict(common.LARGE if args.large else common.DEFAULT, dtype=args.dtype)
+        workload = dict(common.SYNTHETIC[common.synthetic_workload_name(args)], dtype=args.dtype)
     workload["matmul_precision"] = args.matmul_precision
     if args.dtype != "float32" and "tunix" in args.peer:
         ap.error("--dtype bfloat16: the Tunix peer runs float32 only")
@@ -461,8 +463,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model:
             ckpt = os.path.join(tmp, "model")
-            subprocess.run([sys.executable, os.path.join(PEERS, "checkpoint.py"), ckpt] + (["--large"] if args.large else []),
-                           check=True, stdout=subprocess.DEVNULL)
+            checkpoint.write_synthetic_checkpoint(ckpt, common.synthetic_workload_name(args))
             workload["checkpoint"] = ckpt
         plan = [("stare-jax", "ours_peer.py", sys.executable,
                  dict(workload, loss="stare", paired_grpo=args.grpo, paired_setting=paired_setting, slots=args.slots,
@@ -519,7 +520,7 @@ def main() -> None:
                       slots=args.slots, compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
-    result.update(shape=shape, workload="real" if real else ("large" if args.large else "default"),
+    result.update(shape=shape, workload="real" if real else common.synthetic_workload_name(args),
                   steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,
                   matmul_precision=args.matmul_precision,
                   device=ours.get("device", "cpu"),

@@ -38,7 +38,6 @@ import glob
 import json
 import os
 import pickle
-import subprocess
 import sys
 import time
 
@@ -47,6 +46,7 @@ sys.path.insert(0, os.path.join(HERE, "bench_peers"))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+import checkpoint  # noqa: E402
 import common  # noqa: E402
 import profile_ops  # noqa: E402
 
@@ -56,10 +56,10 @@ def main() -> None:
     ap.add_argument("--setting", action="append", default=[],
                     help="config overrides as a JSON object (repeatable; default: one run of the benchmark config)")
     ap.add_argument("--reps", type=int, default=3, help="updates per setting (the first compiles)")
-    ap.add_argument("--workload", choices=("real", "large", "default"), default="real",
+    ap.add_argument("--workload", choices=("real", "large", "default", "smoke"), default="real",
                     help="the update of bench_step.py's real-model workload (default), or of its synthetic "
-                         "--large / default workload (random Qwen2 weights, EOS off, fixed lengths), whose "
-                         "updates take seconds instead of minutes")
+                         "--large / default / --smoke workload (random Qwen2 weights, EOS off, fixed lengths), "
+                         "whose updates take seconds instead of minutes")
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="ppo.pack_tokens (0: padded update; default 1024 on the real model, 0 on the synthetic "
                          "workloads, as bench_step.py runs them)")
@@ -98,11 +98,10 @@ def main() -> None:
     if real:
         workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
     else:  # the random checkpoint bench_step.py writes for the workload, kept beside the converted models
-        workload = dict(common.LARGE if args.workload == "large" else common.DEFAULT)
+        workload = dict(common.SYNTHETIC[args.workload])
         workload["checkpoint"] = os.path.join(args.model_cache, f"synthetic_{args.workload}")
         if not os.path.exists(os.path.join(workload["checkpoint"], "config.json")):
-            subprocess.run([sys.executable, os.path.join(HERE, "bench_peers", "checkpoint.py"), workload["checkpoint"]]
-                           + (["--large"] if args.workload == "large" else []), check=True, stdout=subprocess.DEVNULL)
+            checkpoint.write_synthetic_checkpoint(workload["checkpoint"], args.workload)
     from stare_jax import allocator
     from stare_jax import config as config_lib
     from stare_jax import distributed, parallel, precision

@@ -11,16 +11,19 @@ from tests.e2e_helpers import ROOT, subprocess_env
 
 
 def test_bench_step_prints_contract_keys_and_checks_its_workload():
+    """The protocol end to end on the smoke workload (the default and --large shapes are checked in
+    `test_synthetic_workloads_have_the_documented_shapes`)."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "2", "--grpo",
-                        "--warmup-rounds", "1"],
+                        "--warmup-rounds", "1", "--smoke"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("median_step_s", "median_rollout_s", "median_update_s", "rollout_tokens_per_s", "peak_rss_mb"):
         assert out[key] > 0, key
-    assert out["shape"] == {"vocab_size": 1024, "hidden_size": 256, "num_layers": 4, "num_heads": 4,
-                            "num_kv_heads": 2, "intermediate_size": 688, "num_prompts": 8, "group_size": 8,
-                            "prompt_len": 32, "new_tokens": 64}
+    assert out["shape"] == {"vocab_size": 1024, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+                            "num_kv_heads": 1, "intermediate_size": 176, "num_prompts": 4, "group_size": 4,
+                            "prompt_len": 32, "new_tokens": 16}
+    assert out["workload"] == "smoke"
     ours = out["participants"]["stare-jax"]
     assert ours["steps"] == 2 and ours["loss"] == "stare" and out["protocol"] == "alternate"
     assert out["warmup_rounds"] == 1 and len(ours["per_step"]) == 2  # the warm-up round is not timed
@@ -36,11 +39,12 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
 
 
 def test_bench_stare_overhead_times_both_updates_in_one_process():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_stare_overhead.py"), "--rounds", "1"],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_stare_overhead.py"), "--rounds", "1",
+                        "--smoke"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["rounds"] == 1 and out["shape"] == {"hidden_size": 256, "num_layers": 4, "new_tokens": 64}
+    assert out["rounds"] == 1 and out["shape"] == {"hidden_size": 64, "num_layers": 2, "new_tokens": 16}
     assert out["stare_update_s"] > 0 and out["grpo_update_s"] > 0 and out["rollout_s"] > 0
     assert abs(out["step_overhead"]) < 1 and -1 < out["update_overhead"] < 10
 
@@ -48,7 +52,7 @@ def test_bench_stare_overhead_times_both_updates_in_one_process():
 def test_bench_stare_overhead_compares_the_cpu_matmul_kernels():
     """--cpu-matmuls: STARE's update with the shipped Eigen options against XNNPACK fusions."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_stare_overhead.py"), "--rounds", "1",
-                        "--cpu-matmuls"], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+                        "--cpu-matmuls", "--smoke"], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["compared"] == "eigen vs xnnpack CPU matmuls" and out["host_cpu"]
@@ -110,6 +114,32 @@ def test_steady_state_leaves_out_the_steps_that_compiled(tmp_path):
                            str(tmp_path / "missing.json")], capture_output=True, text=True, env=subprocess_env(),
                           timeout=120)
     assert proc.returncode == 2 and "cannot resummarize" in proc.stderr
+
+
+def test_synthetic_workloads_have_the_documented_shapes(tmp_path):
+    """The default and --large workloads are the shapes docs/performance.md reports (the tests run
+    the protocol on --smoke); --smoke excludes --large and --model, and checkpoint.py writes each
+    workload's random model."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench_peers"))
+    import checkpoint
+    import common
+
+    shape = lambda w: {k: w[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",  # noqa: E731
+                                         "num_kv_heads", "intermediate_size", "num_prompts", "group_size",
+                                         "prompt_len", "new_tokens")}
+    assert shape(common.DEFAULT) == {"vocab_size": 1024, "hidden_size": 256, "num_layers": 4, "num_heads": 4,
+                                     "num_kv_heads": 2, "intermediate_size": 688, "num_prompts": 8,
+                                     "group_size": 8, "prompt_len": 32, "new_tokens": 64}
+    assert shape(common.LARGE) == dict(shape(common.DEFAULT), hidden_size=512, num_layers=8, new_tokens=128)
+    assert set(common.SYNTHETIC) == {"default", "large", "smoke"}
+    for flags, msg in ((["--smoke", "--large"], "not allowed with"), (["--smoke", "--model", "x"], "pick one")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), *flags], cwd=ROOT,
+                           env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr[-2000:]
+    checkpoint.write_synthetic_checkpoint(str(tmp_path / "smoke"), "smoke")
+    with open(tmp_path / "smoke" / "config.json") as f:
+        cfg = json.load(f)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]) == (64, 2, 176)
 
 
 def test_roofline_floors_follow_the_workload_shape():
@@ -399,6 +429,7 @@ def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):
 def test_bench_neighbour_times_the_update_after_each_interlude():
     """scripts/bench_neighbour.py: rollout + update after each interlude, with the update's page faults."""
     script = os.path.join(ROOT, "scripts", "bench_neighbour.py")
+    # the default workload, not --smoke: the smoke update's temporaries stay mapped (no faults to count)
     r = subprocess.run([sys.executable, script, "--rounds", "1", "--interludes", "none,memory", "--gap", "0.1",
                         "--memory-gb", "0.05"], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True,
                        timeout=600)
@@ -445,20 +476,20 @@ def test_gpu_figures_stops_at_once_when_a_module_is_missing(tmp_path):
 
 
 def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_path):
-    """`bench_update.py --workload default`: bench_step's default workload (random checkpoint
-    written into the model cache, EOS off, so every response has all 64 tokens), its batch sampled
+    """`bench_update.py --workload smoke`: a synthetic workload of bench_step (random checkpoint
+    written into the model cache, EOS off, so every response has all 16 tokens), its batch sampled
     once into the batch cache, the padded update (pack_tokens 0) timed with its model FLOPs."""
     cache = tmp_path / "models"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "default",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "smoke",
                         "--reps", "1", "--cpu-devices", "1", "--model-cache", str(cache),
                         "--batch-cache", str(tmp_path / "batch.pkl")],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["response_tokens"] == 8 * 8 * 64 and out["packed_capacity"] is None and out["devices"] == 1
-    assert (cache / "synthetic_default" / "config.json").exists() and (tmp_path / "batch.pkl").exists()
+    assert out["response_tokens"] == 4 * 4 * 16 and out["packed_capacity"] is None and out["devices"] == 1
+    assert (cache / "synthetic_smoke" / "config.json").exists() and (tmp_path / "batch.pkl").exists()
     bench_step = _load_script("bench_step", "bench_step.py")  # its import puts bench_peers/common on the path
-    assert out["model_tflop"] == round(bench_step.update_model_flops(bench_step.common.DEFAULT) / 1e12, 4)
+    assert out["model_tflop"] == round(bench_step.update_model_flops(bench_step.common.SMOKE) / 1e12, 4)
     assert len(out["times_s"]) == 1 and out["times_s"][0] > 0 and 0 < out["mfu"] < 1
 
 
@@ -507,7 +538,7 @@ def test_paired_setting_overrides_a_copy_and_bad_ones_exit_2():
 def test_bench_step_times_a_paired_setting_on_the_same_batches():
     """`--paired-setting`: the stare-jax worker times a second update built with the overrides on
     every step's batch, and the result compares the two (per step, median speedup, each one's MFU)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "1",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "1", "--smoke",
                         "--paired-setting", '{"model.vocab_chunk": 512}'],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

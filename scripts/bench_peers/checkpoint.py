@@ -1,6 +1,6 @@
 """Writes the bench's random Qwen2 checkpoint with stare_jax (run in the main environment).
 
-    python scripts/bench_peers/checkpoint.py OUT_DIR [--large]
+    python scripts/bench_peers/checkpoint.py OUT_DIR [--workload default|large|smoke]
 """
 
 from __future__ import annotations
@@ -31,6 +31,20 @@ def write_checkpoint(path: str, workload: dict) -> str:
     return path
 
 
+def write_synthetic_checkpoint(path: str, name: str) -> None:
+    """Writes the random checkpoint of the synthetic workload `name` (a key of common.SYNTHETIC) at
+    `path` in a child process of the main environment, as every benchmark driver does."""
+    import subprocess
+
+    subprocess.run([sys.executable, os.path.abspath(__file__), path, "--workload", name], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
 if __name__ == "__main__":
-    large = "--large" in sys.argv[2:]
-    print(write_checkpoint(sys.argv[1], common.LARGE if large else common.DEFAULT))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--workload", choices=sorted(common.SYNTHETIC), default="default")
+    args = ap.parse_args()
+    print(write_checkpoint(args.out_dir, common.SYNTHETIC[args.workload]))

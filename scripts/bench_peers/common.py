@@ -36,6 +36,26 @@ DEFAULT = dict(vocab_size=VOCAB_SIZE, hidden_size=256, num_layers=4, num_heads=4
                intermediate_size=688, tie_word_embeddings=True, num_prompts=8, group_size=8, prompt_len=32,
                new_tokens=64, learning_rate=1e-6, temperature=1.0, seed=0, loss="stare")
 LARGE = dict(DEFAULT, hidden_size=512, num_layers=8, new_tokens=128)
+# A smoke run: the same protocol on a model and batch small enough that a run takes seconds of work,
+# to check a setup (the peers' environment, a new host) before an hour of benchmarking. Its times
+# measure start-up and compilation more than steps: report only DEFAULT and LARGE.
+SMOKE = dict(DEFAULT, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=176,
+             num_prompts=4, group_size=4, new_tokens=16)
+SYNTHETIC = {"default": DEFAULT, "large": LARGE, "smoke": SMOKE}
+
+
+def add_synthetic_workload_flags(ap) -> None:
+    """Adds the synthetic workload's flags to an argparse parser: `--large` or `--smoke` (else DEFAULT)."""
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--large", action="store_true", help="hidden 512, 8 layers, 128 new tokens")
+    group.add_argument("--smoke", action="store_true",
+                       help="hidden 64, 2 layers, 4 x 4 responses of 16 tokens: checks a setup in seconds of work; "
+                            "its times mean little")
+
+
+def synthetic_workload_name(args) -> str:
+    """The synthetic workload the flags of `add_synthetic_workload_flags` chose: a key of SYNTHETIC."""
+    return "large" if args.large else "smoke" if args.smoke else "default"
 
 # The real-model workload (`bench_step.py --model smollm2|PATH`): a pretrained model's Hugging Face
 # directory (`checkpoint`), its own tokenizer, EOS enabled, temperature 1, up to `new_tokens` new
