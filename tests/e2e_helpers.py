@@ -41,11 +41,11 @@ def override_args(overrides):
     return [f"--config.{k}={v}" for k, v in overrides.items()]
 
 
-def subprocess_env(devices=1, optimized=False, **extra):
+def subprocess_env(devices=1, **extra):
     """The environment of a process a test starts: `devices` JAX CPU devices and the tests' XLA flags
-    (conftest: no LLVM optimisation, which costs more than it saves on small programs), or with
-    `optimized` the compiler's defaults, for a process that computes more than it compiles."""
-    test_flags = "" if optimized else os.environ.get("STARE_TEST_XLA_FLAGS", "")
+    (conftest: no LLVM optimisation and the classic emitter, which cost less than they save on the
+    tests' programs)."""
+    test_flags = os.environ.get("STARE_TEST_XLA_FLAGS", "")
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {test_flags}".strip(),
                JAX_PLATFORMS="cpu")
     env.pop("PYTEST_CURRENT_TEST", None)
