@@ -189,12 +189,11 @@ def main() -> None:
             texts = [open(f).read() for f in files]
             result["profiled_programs"] = [os.path.basename(f) for f in files]
             result["trace_events"] = len(events)
-            result.update(profile_ops.summarize_events(events, texts, jax.device_count(), top=30))
-            flops = profile_ops.dot_flops(texts)
-            result["matmuls"] = matmul_accounting(profile_ops.executed_dot_flops(events, flops), result["matmul_s"],
-                                                  model_flops, times[-1], peak, jax.device_count())
-            shapes, origins = profile_ops.hlo_output_shapes(texts), profile_ops.hlo_op_origins(texts)
-            result["costliest_ops"] = profile_ops.costliest_ops(events, shapes, origins, jax.device_count(), top=30)
+            summary = profile_ops.summarize_events(events, texts, jax.device_count(), top=30)
+            executed = summary.pop("executed_matmul_flops_per_device") * jax.device_count()
+            result.update(summary)
+            result["matmuls"] = matmul_accounting(executed, result["matmul_s"], model_flops, times[-1], peak,
+                                                  jax.device_count())
         print(json.dumps(result), flush=True)
         del state, update, policy
 

@@ -309,8 +309,8 @@ def summarize(trace_dir: str, hlo_texts: list[str], devices: int = 1, top: int =
 def summarize_events(events, hlo_texts: list[str], devices: int = 1, top: int = 15) -> dict:
     """Where a traced program's device time went: executions and busy time (the sum of their own
     times) per device, time by op kind, the matmuls' executions, executed TFLOP and rate (from the
-    optimised HLO's shapes), the matmuls by origin and the other instructions by JAX operation,
-    and the costliest non-matmul instructions."""
+    optimised HLO's shapes; unrounded too, `executed_matmul_flops_per_device`), the matmuls by origin
+    and the other instructions by JAX operation, and the costliest instructions, all and non-matmul."""
     flops, shapes, origins = dot_flops(hlo_texts), hlo_output_shapes(hlo_texts), hlo_op_origins(hlo_texts)
     totals = self_seconds_by_op(events)
     busy = sum(totals.values()) / devices
@@ -320,10 +320,11 @@ def summarize_events(events, hlo_texts: list[str], devices: int = 1, top: int = 
             "span_s": round((max(e[2] + e[3] for e in events) - min(e[2] for e in events)) / 1e6, 5) if events else 0.0,
             "op_seconds_per_device": op_seconds_per_device(events, devices, flops),
             "matmul_executions": sum(1 for e in events if e[1] in flops), "matmul_s": round(matmul_s, 5),
-            "executed_matmul_tflop": round(executed / 1e12, 3),
+            "executed_matmul_tflop": round(executed / 1e12, 3), "executed_matmul_flops_per_device": executed,
             "matmul_tflop_per_s": round(executed / max(matmul_s, 1e-12) / 1e12, 1),
             "matmuls_by_origin": matmuls_by_origin(events, flops, origins, devices, shapes, top=top),
             "non_matmul_by_origin": seconds_by_origin(events, origins, devices, exclude=flops, top=top),
+            "costliest_ops": costliest_ops(events, shapes, origins, devices, top=top),
             "costliest_non_matmul_ops": costliest_ops(events, shapes, origins, devices, top=top, exclude=("dot",),
                                                       matmuls=flops)}
 
