@@ -106,19 +106,27 @@ def _create_embedded_model_pinned(path: str, kwargs: dict, task) -> None:
     process with 4 CPU devices than with 1 or 2 (identical HLO and machine code; the runtime
     differs), so warm-starting in the trainer's own process made the initial policy, and every
     metric after it, depend on the topology (1 process x 4 devices vs 2 x 2: grad_norm 4e-4 apart
-    at step 0). The child's configuration is fixed, so the model is the same for any topology."""
+    at step 0). The child's configuration is fixed, so the model is the same for any topology.
+
+    The child uses the run's persistent compilation cache (`compilation_cache_dir`), if any: a
+    second warm start of the same shape (another workdir, another seed) loads its programs."""
     import dataclasses
     import json
     import subprocess
     import sys
 
     spec = json.dumps({"path": path, "kwargs": kwargs, "task": dataclasses.asdict(task)})
-    code = ("import json, sys; from stare_jax.tasks import countdown, embedded; a = json.loads(sys.argv[1]); "
+    from stare_jax.config import COMPILATION_CACHE_ENV
+
+    code = ("import json, sys; from stare_jax import compilation; from stare_jax.tasks import countdown, embedded; "
+            "compilation.use_persistent_cache(''); a = json.loads(sys.argv[1]); "
             "embedded.create_embedded_model(a['path'], task_config=countdown.CountdownConfig(**a['task']), "
             "**a['kwargs'])")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       os.environ.get("PYTHONPATH", "")] if p))
+    if compilation.cache_dir():  # the parent's cache; else the child reads $STARE_COMPILATION_CACHE_DIR as it would
+        env[COMPILATION_CACHE_ENV] = compilation.cache_dir()
     for key in ("JAX_NUM_CPU_DEVICES", "JAX_COORDINATOR_ADDRESS", "STARE_COORDINATOR", "STARE_NUM_PROCESSES",
                 "STARE_PROCESS_ID"):
         env.pop(key, None)

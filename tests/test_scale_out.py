@@ -84,13 +84,22 @@ def test_embedded_warm_start_is_the_same_for_any_device_count(tmp_path):
     """Issue 19 item 8: the quickstart's embedded model is warm-started by ~400 jitted steps on one
     device, and XLA:CPU runs that same program slightly differently in a 4-device process than in a
     2-device one, so 1 process x 4 devices and 2 x 2 started RL from different weights (grad_norm
-    4e-4 apart at step 0). The warm start now runs in a child pinned to one CPU device."""
+    4e-4 apart at step 0). The warm start now runs in a child pinned to one CPU device.
+
+    The child compiles into the run's persistent compilation cache (here $STARE_COMPILATION_CACHE_DIR,
+    which the parent, calling the library directly, never opens), and the second warm start of the
+    same shape loads every program from it: no new entry."""
     code = ("import sys; from stare_jax import config as C, trainer; c = C.default_config(); "
             "c.warmstart.steps = 8; c.warmstart.batch_size = 16; c.seed = 77; "
             "trainer.embedded_model_dir(c, sys.argv[1])")
+    cache = tmp_path / "xla"
+    entries = []
     for devices in (4, 2):
         r = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"d{devices}")], cwd=ROOT,
-                           env=subprocess_env(devices), capture_output=True, text=True, timeout=300)
+                           env=subprocess_env(devices, STARE_COMPILATION_CACHE_DIR=str(cache)),
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
+        entries.append(sorted(os.listdir(cache)))
     a, b = (open(tmp_path / f"d{n}" / "model" / "model.safetensors", "rb").read() for n in (4, 2))
     assert a == b
+    assert entries[0] and entries[1] == entries[0]
