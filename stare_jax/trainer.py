@@ -109,15 +109,15 @@ def _create_embedded_model_pinned(path: str, kwargs: dict, task) -> None:
     at step 0). The child's configuration is fixed, so the model is the same for any topology.
 
     The child uses the run's persistent compilation cache (`compilation_cache_dir`), if any: a
-    second warm start of the same shape (another workdir, another seed) loads its programs."""
+    later warm start with the same model shape and settings (in another workdir) loads its programs."""
     import dataclasses
     import json
     import subprocess
     import sys
 
-    spec = json.dumps({"path": path, "kwargs": kwargs, "task": dataclasses.asdict(task)})
     from stare_jax.config import COMPILATION_CACHE_ENV
 
+    spec = json.dumps({"path": path, "kwargs": kwargs, "task": dataclasses.asdict(task)})
     code = ("import json, sys; from stare_jax import compilation; from stare_jax.tasks import countdown, embedded; "
             "compilation.use_persistent_cache(''); a = json.loads(sys.argv[1]); "
             "embedded.create_embedded_model(a['path'], task_config=countdown.CountdownConfig(**a['task']), "
