@@ -176,7 +176,8 @@ def main() -> None:
         model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
         result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
                   "model_tflop": round(model_flops / 1e12, 4), "matmul_peak_gflops": peak,
-                  "mfu": round(model_flops / min(times) / (peak * 1e9), 3),
+                  "mfu": float(f"{model_flops / min(times) / (peak * 1e9):.3g}"),  # 3 significant digits: a
+                  # smoke update's (compilation included) is ~1e-4, which 3 decimals made 0.0
                   "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "loss": float(out["loss"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
