@@ -24,7 +24,9 @@ response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, wi
 rate against the peak, and the MFU bound each leaves), `matmuls_by_origin` (TFLOP, seconds and
 rate of each JAX operation's matmuls, per pass), the costliest compiled instructions (all, and all but matmuls) with
 their output shapes and the JAX operation and source line each came from, and the rest of
-`profile_ops.summarize_events` (the other instructions' time by JAX operation, busy time and span), each
+`profile_ops.summarize_events` (the other instructions' time by JAX operation, busy time and span; the
+matmuls' time includes what XLA:CPU's asynchronous dots run after their own events,
+`matmul_async_tail_s`, and `idle_s` is the op threads' time with nothing running), each
 from this setting's own update program (`profiled_programs`: its optimised HLO files; none when
 the program came from the persistent compilation cache, which dumps nothing). Like the trainer, the
 script runs under oneTBB's malloc on a CPU host (`STARE_JAX_MALLOC=system`: glibc's; the output's

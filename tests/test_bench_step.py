@@ -254,6 +254,35 @@ def test_bench_update_profile_summary_counts_self_time_by_op_kind(tmp_path):
                                                                          "reduce-window": 1.0, "fusion": 0.5}
 
 
+def test_profile_counts_an_asynchronous_dots_tail_as_matmul_time(tmp_path):
+    """XLA:CPU finishes a large dot in Eigen tasks after the dot's own event, until its `end: dot`
+    marker: the op threads' stretches with no op event inside that window are the dot's
+    (`async_tails`, added to `matmul_s` and the origin rows), stretches outside every window are
+    idle; a loop's own event (spanning its body) neither hides stretches nor opens a window."""
+    bench_update = _load_script("bench_update", "bench_update.py")
+    ops = bench_update.profile_ops
+    _write_trace(tmp_path, {"/host:CPU": {
+        "eigen1": [("while.7", 0, 10_000_000), ("dot.1", 0, 1_000_000), ("end: dot.1", 5_000_000, 0),
+                   ("multiply_fusion.2", 5_000_000, 1_000_000), ("end: multiply_fusion.2", 6_000_000, 0),
+                   ("copy.3", 8_000_000, 1_000_000), ("end: while.7", 10_000_000, 0)],
+        "eigen2": [("ThreadpoolListener::StartRegion", 2_500_000, 0), ("dot.4", 0, 2_000_000),
+                   ("add_fusion.5", 4_000_000, 1_000_000)]}})
+    events = ops.trace_events(str(tmp_path))
+    # dot.1's window is 1..5 s: eigen1's 1..5 s and eigen2's 2..4 s are its; eigen1's 6..8 s is idle
+    assert ops.async_tails(events) == {"dot.1": 6_000_000.0}
+    assert ops.idle_us_by_thread(events) == {"eigen1": 2_000_000.0, "eigen2": 0.0}
+    hlo = """
+  %a.1 = f32[8,4]{1,0} parameter(0)
+  %dot.1 = f32[8,8]{1,0} dot(%a.1, %a.1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %dot.4 = f32[8,8]{1,0} dot(%a.1, %a.1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+"""
+    summary = ops.summarize_events(events, [hlo], devices=2)
+    assert summary["matmul_s"] == pytest.approx((1 + 2 + 6) / 2)   # own events + dot.1's tail, per device
+    assert summary["matmul_async_tail_s"] == pytest.approx(6 / 2)
+    assert summary["idle_s"] == pytest.approx(2 / 2)
+    assert sum(row[2] for row in summary["matmuls_by_origin"]) == pytest.approx(summary["matmul_s"], abs=1e-4)
+
+
 def test_bench_update_counts_the_matmul_flops_each_traced_dot_executed():
     """The update's matmul accounting: each `dot` of the optimised HLO costs 2 x output elements x
     contracted elements, every traced execution counts (loop trips included), other ops none; and

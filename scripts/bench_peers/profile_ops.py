@@ -123,6 +123,79 @@ def op_seconds_per_device(events, devices: int, matmuls=()) -> dict[str, float]:
     return {k: round(v / 1e6 / devices, 4) for k, v in kinds.most_common() if v / 1e6 / devices >= 1e-4}
 
 
+def async_tails(events) -> dict[str, float]:
+    """Time (us, all threads together) that an op ran after its own event ended: {op name: us}.
+
+    XLA:CPU runs some instructions asynchronously (large Eigen dots: the op's event covers the
+    launch and the calling thread's first share, Eigen's tasks then finish the product on every
+    thread of the pool, and an `end: <name>` event marks its completion). Between the op's event
+    and its end marker the pool's threads run those tasks with no op event of their own, so a
+    per-event sum misses them. Counted here: on every thread that runs ops, each stretch with no
+    op event (control flow's own events aside) that lies inside such a window (op event's end .. its `end:` marker), shared equally
+    between the windows open at that moment (control flow, `CONTROL_OPS`, opens none: its body's ops
+    have their own events). Stretches inside no window are idle time (`idle_us_by_thread`). On a
+    single device whose ops use both threads, the helper thread's stretches also go to whichever
+    window is open: read the tails of non-matmul instructions with that in mind."""
+    return _gaps(events)[0]
+
+
+def idle_us_by_thread(events) -> dict[str, float]:
+    """Per thread that runs ops: the time between its first and last op event in which it ran no
+    op event (control flow's own events, `CONTROL_OPS`, aside) and no asynchronous op
+    (`async_tails`) was in flight, in us."""
+    return _gaps(events)[1]
+
+
+#: instructions whose event spans their body's ops (a loop's `end:` marker comes after its last trip)
+CONTROL_OPS = ("while", "conditional", "call")
+
+
+def _gaps(events) -> tuple[dict[str, float], dict[str, float]]:
+    """(`async_tails`, `idle_us_by_thread`) of `trace_events`."""
+    pending: dict[str, list[float]] = collections.defaultdict(list)
+    windows = []
+    for _, name, start, dur in sorted(events, key=lambda e: e[2]):
+        if name.startswith("end: "):
+            opened = pending.get(name[5:])
+            if opened:
+                t0 = opened.pop(0)
+                if start > t0:
+                    windows.append((t0, start, name[5:]))
+        elif not name.startswith(SKIPPED_EVENTS) and name.split(".")[0] not in CONTROL_OPS:
+            pending[name].append(start + dur)
+    windows.sort()
+    tails: collections.Counter = collections.Counter()
+    idle: dict[str, float] = {}
+    by_thread = collections.defaultdict(list)
+    for thread, name, start, dur in events:
+        if not name.startswith(SKIPPED_EVENTS) and name.split(".")[0] not in CONTROL_OPS:
+            by_thread[thread].append((start, start + dur))
+    for thread, spans in by_thread.items():
+        spans.sort()
+        gaps, end = [], spans[0][1]
+        for a, b in spans[1:]:
+            if a > end:
+                gaps.append((end, a))
+            end = max(end, b)
+        idle_us, i, active = 0.0, 0, []
+        for g0, g1 in gaps:
+            while i < len(windows) and windows[i][0] < g1:
+                active.append(windows[i])
+                i += 1
+            active = [w for w in active if w[1] > g0]
+            # split [g0, g1) at every window boundary inside it; each piece goes to the windows open over it
+            cuts = sorted({g0, g1, *(t for w in active for t in w[:2] if g0 < t < g1)})
+            for c0, c1 in zip(cuts, cuts[1:]):
+                inside = [w[2] for w in active if w[0] <= c0 and w[1] >= c1]
+                if inside:
+                    for name in inside:
+                        tails[name] += (c1 - c0) / len(inside)
+                else:
+                    idle_us += c1 - c0
+        idle[thread] = idle_us
+    return dict(tails), idle
+
+
 def self_seconds_by_op(events) -> dict[str, float]:
     """Self time (s) of every op name of `trace_events` over all threads, not divided by devices."""
     totals: collections.Counter = collections.Counter()
@@ -258,13 +331,15 @@ def executed_dot_flops(events, flops: dict[str, float]) -> float:
 
 
 def matmuls_by_origin(events, flops: dict[str, float], origins: dict[str, str], devices: int,
-                      shapes: dict[str, str] | None = None, top: int = 40) -> list[list]:
+                      shapes: dict[str, str] | None = None, top: int = 40,
+                      tails: dict[str, float] | None = None) -> list[list]:
     """The traced `dot` executions grouped by where they came from: [group, TFLOP per device,
     seconds per device, GFLOP/s], the `top` groups by time. A group is the dot's pass ("fwd",
     "bwd" inside `transpose(jvp(...))`, "remat" for a rematerialised forward inside the backward),
     the JAX operation of its metadata (an einsum spec or `dot_general`) and, with `shapes`, its
-    output shape."""
+    output shape. `tails`: each dot's asynchronous time in us (`async_tails`), added to its own."""
     totals = self_seconds_by_op(events)
+    tails = tails or {}
     counts: collections.Counter = collections.Counter(name for _, name, _, _ in events)
     groups: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for name, f in flops.items():
@@ -276,7 +351,7 @@ def matmuls_by_origin(events, flops: dict[str, float], origins: dict[str, str], 
         phase = "remat" if "rematted_computation" in origin else ("bwd" if "transpose(" in origin else "fwd")
         g = groups[f"{phase} {op}" + (f" -> {shapes.get(name, '?').split('{')[0]}" if shapes else "")]
         g[0] += f * counts[name] / devices
-        g[1] += totals.get(name, 0.0) / devices
+        g[1] += (totals.get(name, 0.0) + tails.get(name, 0.0) / 1e6) / devices
     rows = [[k, round(v[0] / 1e12, 3), round(v[1], 4), round(v[0] / max(v[1], 1e-9) / 1e9, 1)] for k, v in groups.items()]
     return sorted(rows, key=lambda r: -r[2])[:top]
 
@@ -310,19 +385,26 @@ def summarize_events(events, hlo_texts: list[str], devices: int = 1, top: int = 
     """Where a traced program's device time went: executions and busy time (the sum of their own
     times) per device, time by op kind, the matmuls' executions, executed TFLOP and rate (from the
     optimised HLO's shapes; unrounded too, `executed_matmul_flops_per_device`), the matmuls by origin
-    and the other instructions by JAX operation, and the costliest instructions, all and non-matmul."""
+    and the other instructions by JAX operation, and the costliest instructions, all and non-matmul.
+    The matmuls' time (`matmul_s`, and per origin) includes their asynchronous tails (`async_tails`:
+    `matmul_async_tail_s` of it); `idle_s` is each op thread's time with nothing running, per device."""
     flops, shapes, origins = dot_flops(hlo_texts), hlo_output_shapes(hlo_texts), hlo_op_origins(hlo_texts)
     totals = self_seconds_by_op(events)
     busy = sum(totals.values()) / devices
-    matmul_s = sum(s for n, s in totals.items() if n in flops) / devices
+    tails, idle = _gaps(events)
+    matmul_tails_s = sum(us for n, us in tails.items() if n in flops) / 1e6 / devices
+    matmul_s = sum(s for n, s in totals.items() if n in flops) / devices + matmul_tails_s
     executed = executed_dot_flops(events, flops) / devices
     return {"executions": len(events), "busy_s": round(busy, 5),
+            "async_tail_s": round(sum(tails.values()) / 1e6 / devices, 5),
+            "matmul_async_tail_s": round(matmul_tails_s, 5),
+            "idle_s": round(sum(idle.values()) / 1e6 / devices, 5),
             "span_s": round((max(e[2] + e[3] for e in events) - min(e[2] for e in events)) / 1e6, 5) if events else 0.0,
             "op_seconds_per_device": op_seconds_per_device(events, devices, flops),
             "matmul_executions": sum(1 for e in events if e[1] in flops), "matmul_s": round(matmul_s, 5),
             "executed_matmul_tflop": round(executed / 1e12, 3), "executed_matmul_flops_per_device": executed,
             "matmul_tflop_per_s": round(executed / max(matmul_s, 1e-12) / 1e12, 1),
-            "matmuls_by_origin": matmuls_by_origin(events, flops, origins, devices, shapes, top=top),
+            "matmuls_by_origin": matmuls_by_origin(events, flops, origins, devices, shapes, top=top, tails=tails),
             "non_matmul_by_origin": seconds_by_origin(events, origins, devices, exclude=flops, top=top),
             "costliest_ops": costliest_ops(events, shapes, origins, devices, top=top),
             "costliest_non_matmul_ops": costliest_ops(events, shapes, origins, devices, top=top, exclude=("dot",),
