@@ -316,6 +316,14 @@ def real_workload(model: str, cache_root: str, new_tokens: int, seed: int = 0) -
                 intermediate_size=hf["intermediate_size"], tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
+def default_vocab_chunk(real_model: bool) -> int | None:
+    """stare-jax's `model.vocab_chunk` in the benchmarks (bench_step.py, bench_update.py) unless
+    given: 1,024 columns for the real model on a CPU host, where each chunk's [tokens, C] logits stay
+    in cache (1.16x the 8,192 default's update in full steps on the AMD EPYC without AVX-512, equal
+    on the Zen 4 host: docs/performance.md); None (the config default) otherwise."""
+    return 1024 if real_model and allocator.runs_on_cpu(os.environ) else None
+
+
 def step_schedule(names: list[str], steps: int, protocol: str = "alternate") -> list[tuple[int, str]]:
     """The timed steps in the order they run, as (round, participant) pairs. "alternate": round r
     runs one step of each participant, starting from the r-th (mod their number), so each goes first
@@ -431,8 +439,8 @@ def main() -> None:
         ap.error("--compact-min-rows must be >= 0")
     if args.pack_tokens is None:
         args.pack_tokens = 1024 if args.model else 0
-    if args.vocab_chunk is None and args.model and allocator.runs_on_cpu(os.environ):
-        args.vocab_chunk = 1024
+    if args.vocab_chunk is None:
+        args.vocab_chunk = default_vocab_chunk(bool(args.model))
     if args.vocab_chunk is not None and args.vocab_chunk < 1:
         ap.error("--vocab-chunk must be >= 1")
     if args.pack_tokens < 0:

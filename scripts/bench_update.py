@@ -11,7 +11,9 @@ times each (the first includes compilation), one setting after another in the sa
 setting runs under `jax.profiler.trace` and the printed summary adds each device's time by XLA
 op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times (on a GPU: the
 device's op events, with XLA's CUDA graphs turned off for the run so that they show). `--cpu-devices 1`
-runs every setting on a single JAX CPU device (default: one per core, the rows data-parallel).
+runs every setting on a single JAX CPU device (default: one per core, the rows data-parallel). The
+vocabulary chunk is bench_step.py's (`--vocab-chunk`; 1,024 columns for the real model on a CPU host),
+so the two scripts time the same update; each output line names it (`vocab_chunk`).
 
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
@@ -72,12 +74,17 @@ def main() -> None:
     ap.add_argument("--profile", default="",
                     help="trace the last update of each setting into DIR/<index> (on a GPU the whole run then "
                          "goes without XLA's CUDA graphs, so its times are not those of a plain run)")
+    ap.add_argument("--vocab-chunk", type=int, default=None,
+                    help="model.vocab_chunk under every setting that does not set it (default as bench_step.py: "
+                         "1024 for the real model on a CPU host, else the config default)")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="mesh.cpu_devices: JAX CPU devices the host is split into (0: one per core; 1: a "
                          "single device with every core inside each op)")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    if args.vocab_chunk is not None and args.vocab_chunk < 1:
+        ap.error("--vocab-chunk must be >= 1")
     real = args.workload == "real"
     if args.pack_tokens is None:
         args.pack_tokens = 1024 if real else 0
@@ -109,7 +116,9 @@ def main() -> None:
     from stare_jax import distributed, parallel, precision
     from stare_jax.distributed import cpu_devices_per_core
 
-    workload.update(loss="stare", pack_tokens=args.pack_tokens,
+    if args.vocab_chunk is None:
+        args.vocab_chunk = bench_step.default_vocab_chunk(real)
+    workload.update(loss="stare", pack_tokens=args.pack_tokens, vocab_chunk=args.vocab_chunk,
                     cpu_devices=args.cpu_devices or cpu_devices_per_core(workload["num_prompts"]))
     base = ours_peer.bench_config(workload)
     distributed.initialize(base)
@@ -181,7 +190,8 @@ def main() -> None:
                   "mfu": float(f"{model_flops / min(times) / (peak * 1e9):.3g}"),  # 3 significant digits: a
                   # smoke update's (compilation included) is ~1e-4, which 3 decimals made 0.0
                   "response_tokens": int(batch["response_mask"].sum()),
-                  "packed_capacity": getattr(packing, "capacity", None), "loss": float(out["loss"]),
+                  "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
+                  "loss": float(out["loss"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
                   "devices": jax.device_count(), "malloc": allocator.name()}
         if trace:

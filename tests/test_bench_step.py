@@ -511,11 +511,12 @@ def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_p
     cache = tmp_path / "models"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "smoke",
                         "--reps", "1", "--cpu-devices", "1", "--model-cache", str(cache),
-                        "--batch-cache", str(tmp_path / "batch.pkl")],
+                        "--batch-cache", str(tmp_path / "batch.pkl"), "--vocab-chunk", "256"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["response_tokens"] == 4 * 4 * 16 and out["packed_capacity"] is None and out["devices"] == 1
+    assert out["vocab_chunk"] == 256
     assert (cache / "synthetic_smoke" / "config.json").exists() and (tmp_path / "batch.pkl").exists()
     bench_step = _load_script("bench_step", "bench_step.py")  # its import puts bench_peers/common on the path
     flops = bench_step.update_model_flops(bench_step.common.SMOKE)
@@ -523,6 +524,8 @@ def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_p
     assert len(out["times_s"]) == 1 and out["times_s"][0] > 0 and 0 < out["mfu"] < 1
     # to 3 significant digits, however long the (compiling) update took: 3 decimals read 0.0 under load
     assert out["mfu"] == float(f"{flops / out['times_s'][0] / (out['matmul_peak_gflops'] * 1e9):.3g}")
+    # without --vocab-chunk both scripts use the same chunk: 1,024 columns for the real model on a CPU host
+    assert bench_step.default_vocab_chunk(True) == 1024 and bench_step.default_vocab_chunk(False) is None
 
 
 def test_bench_workers_build_the_policy_their_config_asks_for(tiny_checkpoints):
