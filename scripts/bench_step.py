@@ -39,7 +39,9 @@ The last line printed is one JSON object:
     paired_setting, paired_median_update_s, paired_update_speedup   (with --paired-setting)
         the worker also times an update built with those config overrides on the same batch,
         alternating which runs first; the speedup is the median over steps of the main update's time
-        over the paired one's (> 1: the paired setting is faster)
+        over the paired one's (> 1: the paired setting is faster); `paired_malloc_limit_gb` the
+        worker's oneTBB cache bound in GB on a CPU host (0.8 of the physical memory, see
+        `paired_malloc_limit_gb()`; null when STARE_JAX_MALLOC_LIMIT_GB was set, or off the CPU)
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
     protocol: "alternate" (default) or "blocks", the order of the timed steps (`--protocol`)
     host_cpu: the host CPU's model name; each participant's `matmul_peak_gflops` is its own
@@ -111,9 +113,10 @@ WORKER_TIMEOUT_S = 1800.0
 class Worker:
     """One participant's subprocess, speaking the protocol of bench_peers/common.py."""
 
-    def __init__(self, name: str, script: str, python: str, workload: dict):
+    def __init__(self, name: str, script: str, python: str, workload: dict, extra_env: dict | None = None):
         self.name = name
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+                   **(extra_env or {}))
         self.proc = subprocess.Popen([python, os.path.join(PEERS, script), json.dumps(workload)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=os.path.dirname(HERE))
@@ -324,6 +327,23 @@ def default_vocab_chunk(real_model: bool) -> int | None:
     return 1024 if real_model and allocator.runs_on_cpu(os.environ) else None
 
 
+PAIRED_CACHE_SHARE = 0.8
+
+
+def paired_malloc_limit_gb(environ) -> float | None:
+    """oneTBB's cache bound (`stare_jax.allocator`, STARE_JAX_MALLOC_LIMIT_GB) for the stare-jax
+    worker of a `--paired-setting` run on a CPU host: `PAIRED_CACHE_SHARE` of the physical memory in
+    GB, against the trainer's default of half. The worker holds two update programs' temporaries;
+    under half the memory oneTBB handed cached blocks back and every update of both settings faulted
+    ~1 million pages in again (3.5-7.4 s of kernel time an update on the real model, against ~0.3
+    million unpaired: docs/performance.md, "The vocabulary pass in one chunk"), which weighs on the
+    larger setting most. None (leave it) when the caller set the bound or the run is not on a CPU."""
+    if environ.get(allocator.LIMIT_ENV) or not allocator.runs_on_cpu(environ):
+        return None
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return round(PAIRED_CACHE_SHARE * physical / 2**30, 1)
+
+
 def step_schedule(names: list[str], steps: int, protocol: str = "alternate") -> list[tuple[int, str]]:
     """The timed steps in the order they run, as (round, participant) pairs. "alternate": round r
     runs one step of each participant, starting from the r-th (mod their number), so each goes first
@@ -481,10 +501,12 @@ def main() -> None:
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
+        paired_limit = paired_malloc_limit_gb(os.environ) if paired_setting else None
         try:
             for name, script, python, w in plan:  # warm-up one at a time
                 print(f"[bench_step] starting {name} at {time.perf_counter() - t_start:.1f}s", file=sys.stderr, flush=True)
-                workers.append(Worker(name, script, python, w))
+                extra = {allocator.LIMIT_ENV: str(paired_limit)} if paired_limit and name == "stare-jax" else None
+                workers.append(Worker(name, script, python, w, extra))
                 print(f"[bench_step] {name} ready (warmed up) at {time.perf_counter() - t_start:.1f}s", file=sys.stderr,
                       flush=True)
             for r in range(args.warmup_rounds):  # untimed: more compilation before the timed rounds
@@ -552,6 +574,7 @@ def main() -> None:
         result["stare_overhead"] = round(statistics.median((s["update_s"] - s["grpo_update_s"]) / s["step_s"]
                                                            for s in steps), 4)
     if paired_setting:  # the main update against the paired setting's, step by step on the same batches
+        result["paired_malloc_limit_gb"] = paired_limit
         steps = workers[0].steps
         result["paired_setting"] = paired_setting
         result["paired_median_update_s"] = round(statistics.median(s["paired_update_s"] for s in steps), 4)

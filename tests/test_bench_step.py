@@ -583,3 +583,16 @@ def test_bench_step_times_a_paired_setting_on_the_same_batches():
     assert step["paired_update_s"] == out["paired_median_update_s"] > 0
     assert out["paired_update_speedup"] == pytest.approx(step["update_s"] / step["paired_update_s"], abs=1e-3)
     assert 0 < out["paired_update_mfu"]["main"] < 1 and 0 < out["paired_update_mfu"]["paired"] < 1
+    # the worker holds two update programs: oneTBB's cache bound is raised for it on a CPU host
+    bench_step = _load_script("bench_step", "bench_step.py")
+    assert out["paired_malloc_limit_gb"] == bench_step.paired_malloc_limit_gb(subprocess_env(1))
+
+
+def test_a_paired_runs_allocator_cache_bound_is_most_of_the_memory_unless_set():
+    """`paired_malloc_limit_gb`: 0.8 of the physical memory on a CPU host, where the trainer's
+    default is half; the caller's STARE_JAX_MALLOC_LIMIT_GB, or a run off the CPU, leaves it alone."""
+    bench_step = _load_script("bench_step", "bench_step.py")
+    physical_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert bench_step.paired_malloc_limit_gb({"JAX_PLATFORMS": "cpu"}) == pytest.approx(0.8 * physical_gb, abs=0.05)
+    assert bench_step.paired_malloc_limit_gb({"JAX_PLATFORMS": "cpu", "STARE_JAX_MALLOC_LIMIT_GB": "4"}) is None
+    assert bench_step.paired_malloc_limit_gb({"JAX_PLATFORMS": "cuda"}) is None
