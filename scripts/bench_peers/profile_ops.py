@@ -131,11 +131,12 @@ def async_tails(events) -> dict[str, float]:
     thread of the pool, and an `end: <name>` event marks its completion). Between the op's event
     and its end marker the pool's threads run those tasks with no op event of their own, so a
     per-event sum misses them. Counted here: on every thread that runs ops, each stretch with no
-    op event (control flow's own events aside) that lies inside such a window (op event's end .. its `end:` marker), shared equally
-    between the windows open at that moment (control flow, `CONTROL_OPS`, opens none: its body's ops
-    have their own events). Stretches inside no window are idle time (`idle_us_by_thread`). On a
-    single device whose ops use both threads, the helper thread's stretches also go to whichever
-    window is open: read the tails of non-matmul instructions with that in mind."""
+    op event that lies inside such a window (the op event's end .. its `end:` marker), shared
+    equally between the windows open at that moment. Control flow (`CONTROL_OPS`), whose events
+    span their bodies' ops, neither fills a stretch nor opens a window. Stretches inside no window
+    are idle time (`idle_us_by_thread`). On a single device whose ops use both threads, the helper
+    thread's stretches also go to whichever window is open: read the tails of non-matmul
+    instructions with that in mind."""
     return _gaps(events)[0]
 
 
