@@ -340,8 +340,7 @@ def paired_malloc_limit_gb(environ) -> float | None:
     larger setting most. None (leave it) when the caller set the bound or the run is not on a CPU."""
     if environ.get(allocator.LIMIT_ENV) or not allocator.runs_on_cpu(environ):
         return None
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return round(PAIRED_CACHE_SHARE * physical / 2**30, 1)
+    return round(PAIRED_CACHE_SHARE * allocator.physical_memory_bytes() / 2**30, 1)
 
 
 def step_schedule(names: list[str], steps: int, protocol: str = "alternate") -> list[tuple[int, str]]:

@@ -115,12 +115,17 @@ def name() -> str:
     return "tbb" if active() else "system"
 
 
+def physical_memory_bytes() -> int:
+    """The host's physical memory in bytes (page size x physical pages)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def soft_limit_bytes(environ: Mapping[str, str]) -> int:
     """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half the physical memory.
     Raises `AllocatorError` for a value that is not a positive number."""
     raw = environ.get(LIMIT_ENV, "").strip()
     if not raw:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        return physical_memory_bytes() // 2
     try:
         gb = float(raw)
     except ValueError:
