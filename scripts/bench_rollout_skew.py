@@ -164,6 +164,11 @@ def main() -> None:
     if any(r < 1 or r % args.group_size or args.batch % r for r in static_rows):
         ap.error("--static-rows: each must be a multiple of --group-size that divides --batch")
 
+    t_start = time.perf_counter()
+
+    def progress(what: str) -> None:  # stderr: a run cut off by a deadline shows where it was
+        print(f"[bench_rollout_skew] {what} at {time.perf_counter() - t_start:.1f}s", file=sys.stderr, flush=True)
+
     from stare_jax import allocator, distributed, parallel
 
     distributed.use_cpu_devices(args.cpu_devices)
@@ -180,6 +185,7 @@ def main() -> None:
         if mesh is not None:
             ap.error("--cpu-devices > 1 needs --model (the random model is built on one device)")
         policy, vocab = random_model(args.dtype), VOCAB
+    progress(f"model ready on {jax.devices()[0].device_kind}")
     ids, mask = make_prompts(args.batch // args.group_size, args.prompt_len, vocab)
     if args.length_mix == "recorded":
         lengths, mix = recorded_mix(args.lengths_from, args.batch, args.new_tokens)
@@ -222,6 +228,7 @@ def main() -> None:
     for r in static_rows:
         run(-r, 0)  # warm-up (compilation at this row count)
     reference = run(0, 0)  # warm-up (compilation) and the responses every sampler must reproduce
+    progress("static sampler compiled")
     got_lengths = np.asarray(reference.response_mask).sum(axis=1)
     assert (got_lengths == lengths).all(), "stop_lengths did not set the response lengths"
     same = True
@@ -233,12 +240,14 @@ def main() -> None:
         same &= bool(np.array_equal(got, want))
         identical[("compact", m)] = round(float((got == want).all(axis=1).mean()), 4)
         device_steps[("compact", m)] = steps_on_device(compact_min_rows=m)
+        progress(f"compacting sampler ({m} rows) compiled and checked")
     for s in slot_counts:
         out = run(s, 0)
         got, want = np.asarray(out.response_ids), np.asarray(reference.response_ids)
         same &= bool(np.array_equal(got, want))
         identical[s] = round(float((got == want).all(axis=1).mean()), 4)
         device_steps[s] = steps_on_device(slots=min(s, args.batch))
+        progress(f"slot sampler ({s} slots) compiled and checked")
     times: dict[int, list[float]] = {s: [] for s in names}
     order = list(names)
     load_before = os.getloadavg()[0]
@@ -247,6 +256,7 @@ def main() -> None:
             t0 = time.perf_counter()
             run(s, r + 1)
             times[s].append(time.perf_counter() - t0)
+        progress(f"timed round {r + 1} of {args.repeats}")
     load_after = os.getloadavg()[0]
     useful = int(lengths.sum())
     report = {"length_mix": mix, "batch": args.batch, "group_size": args.group_size,

@@ -151,6 +151,15 @@ def synthetic_prompts(workload: dict):
             common.build_tokenizer(), (), common.PAD_ID)
 
 
+_T_START = time.perf_counter()
+
+
+def stage(what: str) -> None:
+    """Prints `[stare-jax worker] WHAT at Ns` (seconds since the worker started) to stderr, which the
+    driver passes through: a run cut off during the worker's start shows which stage it reached."""
+    print(f"[stare-jax worker] {what} at {time.perf_counter() - _T_START:.1f}s", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     workload = common.workload_from_argv()
     from stare_jax import compilation, distributed, precision
@@ -176,6 +185,7 @@ def serve(workload: dict, config) -> None:
     mesh = parallel.mesh_from_config(config.mesh)
     real = common.is_real(workload)
     policy = load_policy(workload, config, mesh, load_tokenizer=real)
+    stage(f"policy loaded on {jax.devices()[0].device_kind}")
     if real:
         tokenizer = policy.tokenizer
         prompts, eos_ids, pad_id = real_prompts(workload, tokenizer)
@@ -255,18 +265,21 @@ def serve(workload: dict, config) -> None:
 
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
-        one_step()  # compiles the sampler and the update step
+        first = one_step()  # compiles the sampler and the update step
+        stage(f"first step done (rollout {first['rollout_s']:.1f}s, update {first['update_s']:.1f}s, "
+              "compilations included)")
         from stare_jax import allocator
 
+        bandwidth = common.jax_copy_bandwidth_gbs()
+        peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
+        stage("bandwidth and matmul peak measured")
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "malloc": allocator.name(),
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
                      "dtype": config.model.dtype, "matmul_precision": config.model.matmul_precision, "slots": config.rollout.slots,
                      # weight replicas a decode step reads: the rollout mesh's batch shards
                      "replicas": parallel.batch_divisor(parallel.rollout_mesh(mesh, config.mesh.rollout_devices)),
-                     "memory_bandwidth_gbs": common.jax_copy_bandwidth_gbs(),
-                     "matmul_peak_gflops": common.matmul_peak_gflops(
-                         lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())})
+                     "memory_bandwidth_gbs": bandwidth, "matmul_peak_gflops": peak})
         for _ in common.commands():
             common.send(one_step())
 
