@@ -81,20 +81,25 @@ job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time l
   rm -f "$out/.$name.stdout"
 }
 
+# bench_step's jobs share one persistent compilation cache (our worker reads $STARE_COMPILATION_CACHE_DIR):
+# a job run again on the same machine after a cut-off (its warm-up compiled for minutes on a GPU)
+# loads the programs the first try compiled. Not the profile jobs (a program loaded from the cache
+# dumps no HLO for the per-op summary) nor the recipe (its wall time includes its compilations).
 bench=(scripts/bench_step.py --peer trl --peer-python "$py" --steps 3)
+cached=(env "STARE_COMPILATION_CACHE_DIR=${STARE_COMPILATION_CACHE_DIR:-/tmp/gpu_runs/xla_cache}" "$py")
 named() {  # named NAME: one job of the catalogue; float32 jobs run every participant at full fp32
   case $1 in
     # a setup check first (both workers start, compile and step on a tiny model): a minute, not a row
-    smoke) job smoke 120 "$py" scripts/bench_step.py --peer trl --peer-python "$py" --steps 1 --smoke ;;
+    smoke) job smoke 120 "${cached[@]}" scripts/bench_step.py --peer trl --peer-python "$py" --steps 1 --smoke ;;
     peaks) job peaks 90 "$py" scripts/accelerator_figures.py peaks --out /tmp/gpu_runs/peaks.json ;;
-    large_float32) job large_float32 150 "$py" "${bench[@]}" --large --matmul-precision float32 ;;
-    large_bfloat16) job large_bfloat16 150 "$py" "${bench[@]}" --large --dtype bfloat16 ;;
-    default_float32) job default_float32 150 "$py" "${bench[@]}" --matmul-precision float32 ;;
-    default_bfloat16) job default_bfloat16 150 "$py" "${bench[@]}" --dtype bfloat16 ;;
+    large_float32) job large_float32 150 "${cached[@]}" "${bench[@]}" --large --matmul-precision float32 ;;
+    large_bfloat16) job large_bfloat16 150 "${cached[@]}" "${bench[@]}" --large --dtype bfloat16 ;;
+    default_float32) job default_float32 150 "${cached[@]}" "${bench[@]}" --matmul-precision float32 ;;
+    default_bfloat16) job default_bfloat16 150 "${cached[@]}" "${bench[@]}" --dtype bfloat16 ;;
     # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
-    real_float32) job real_float32 300 "$py" "${bench[@]}" --model smollm2 --matmul-precision float32 \
+    real_float32) job real_float32 300 "${cached[@]}" "${bench[@]}" --model smollm2 --matmul-precision float32 \
       --warmup-rounds 2 ;;
-    real_bfloat16) job real_bfloat16 300 "$py" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2 ;;
+    real_bfloat16) job real_bfloat16 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2 ;;
     # the update with a per-op profile: --profile turns XLA's CUDA graphs off so the device's ops show
     update_profile_bfloat16) job "$1" 150 "$py" scripts/bench_update.py --reps 3 \
       --profile /tmp/gpu_runs/update_profile_bfloat16 --setting '{"model.dtype": "bfloat16"}' ;;

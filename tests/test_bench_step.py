@@ -33,6 +33,13 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     assert ours["matmul_peak_gflops"] == out["matmul_peak_gflops"] > 0
     assert isinstance(out["host_cpu"], str) and out["host_cpu"]
     assert out["median_step_s"] >= out["median_update_s"]
+    # Each stage of the worker's start, in order, with its elapsed time (a run cut off during a slow
+    # start on an accelerator says where it was).
+    stages = [line for line in r.stderr.splitlines() if line.startswith("[stare-jax worker]")]
+    assert [s.split(" at ")[0].split("(")[0].strip() for s in stages] == [
+        "[stare-jax worker] policy loaded on cpu", "[stare-jax worker] first step done",
+        "[stare-jax worker] bandwidth and matmul peak measured"], stages
+    assert all(s.endswith("s") and float(s.rsplit(" at ", 1)[1][:-1]) >= 0 for s in stages)
     # --grpo: the plain-GRPO update is timed on the same batches in the same worker.
     assert out["grpo_median_update_s"] > 0
     assert -1 < out["stare_update_overhead"] < 10 and abs(out["stare_overhead"]) < 10

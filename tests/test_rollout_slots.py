@@ -208,6 +208,31 @@ def test_bench_recorded_length_mix_reads_a_bench_step_output(tmp_path):
         assert "--lengths-from" in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_bench_rollout_skew_end_to_end_reports_each_sampler_and_its_progress():
+    """`scripts/bench_rollout_skew.py` on a tiny mix: the slot sampler reproduces the static one's
+    responses (same keys, `same_responses`), the schedules the report prints match the device's
+    decode steps (the script asserts it), and each compilation and timed round is announced on
+    stderr with its elapsed time."""
+    import subprocess
+    import sys
+
+    from tests.e2e_helpers import ROOT, subprocess_env
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_rollout_skew.py"), "--batch", "16",
+                        "--group-size", "4", "--new-tokens", "16", "--repeats", "2", "--slots", "8",
+                        "--static-rows", "8"], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["same_responses"] is True and out["useful_tokens"] > 0
+    assert out["slots8"]["identical_responses"] == 1.0 and out["slots8"]["rows"] == 8
+    assert out["static"]["rows"] == 16 and out["static_rows8"]["rows"] == 8
+    progress = [line.split(" at ")[0] for line in r.stderr.splitlines() if line.startswith("[bench_rollout_skew]")]
+    assert progress == ["[bench_rollout_skew] model ready on cpu", "[bench_rollout_skew] static sampler compiled",
+                        "[bench_rollout_skew] slot sampler (8 slots) compiled and checked",
+                        "[bench_rollout_skew] timed round 1 of 2", "[bench_rollout_skew] timed round 2 of 2"]
+
+
 def test_refills_per_step_are_capped_and_schedule_replays_the_cap(policies):
     """When more than REFILL_LANES slots free up together while responses are pending, only
     REFILL_LANES are refilled in that step (the rest the next step); responses stay the static
