@@ -68,7 +68,9 @@ and a decode step's cost follows its rows; 0 on an accelerator, where a step cos
 the synthetic workloads disable EOS, so there is nothing to compact).
 `--pack-tokens M` sets stare-jax's `ppo.pack_tokens` (the update on packed responses, capacity
 rounded up to M tokens a device); default 1024 on the real-model workload, 0 on the synthetic ones
-(their responses all have the same length, so there is nothing to pack). The real-model workload
+(their responses all have the same length, so there is nothing to pack); `--pack-buckets geometric`
+rounds the capacity up a geometric ladder of M instead (ppo.pack_buckets: fewer programs to
+compile, more padding). The real-model workload
 rematerialises stare-jax's layers (as TRL's gradient checkpointing); `--remat-saves` picks what each
 keeps for the backward (model.remat_saves; default nothing: "projections" measured no faster on
 the Intel Xeon, see docs/performance.md).
@@ -393,6 +395,9 @@ def main() -> None:
                          "down to this many decode rows (0: off; default 16 with --model on a CPU, 0 otherwise)")
     ap.add_argument("--pack-tokens", type=int, default=None,
                     help="stare-jax: ppo.pack_tokens (default 1024 with --model, 0 otherwise; 0 = padded update)")
+    ap.add_argument("--pack-buckets", choices=("linear", "geometric"), default="linear",
+                    help="stare-jax: ppo.pack_buckets, the packed capacities: multiples of --pack-tokens (linear) "
+                         "or M x {1, 2, 3, 4, 6, 8, 12, ...} (geometric: fewer compilations)")
     ap.add_argument("--remat-saves", choices=("nothing", "mlp", "projections"), default="nothing",
                     help="stare-jax on the real-model workload (which rematerialises its layers): model.remat_saves, "
                          "what each layer keeps for the backward (default nothing: the whole layer is recomputed)")
@@ -495,7 +500,7 @@ def main() -> None:
         plan = [("stare-jax", "ours_peer.py", sys.executable,
                  dict(workload, loss="stare", paired_grpo=args.grpo, paired_setting=paired_setting, slots=args.slots,
                       compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
-                      remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
+                      pack_buckets=args.pack_buckets, remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
                       rollout_devices=args.rollout_devices))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
@@ -547,7 +552,7 @@ def main() -> None:
                                                      / (workload["num_prompts"] * workload["group_size"]), 1)
                                             for n, wk in zip([w.name for w in workers], workers)},
                       slots=args.slots, compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
-                      remat_saves=args.remat_saves,
+                      pack_buckets=args.pack_buckets, remat_saves=args.remat_saves,
                       vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else common.synthetic_workload_name(args),
                   steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,

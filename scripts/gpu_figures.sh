@@ -35,6 +35,7 @@ shift $(( $# < 3 ? $# : 3 ))
 names=("$@")
 py=${PYTHON:-python3}
 catalogue=" smoke peaks large_float32 large_bfloat16 default_float32 default_bfloat16 real_float32 real_bfloat16 \
+real_bfloat16_geometric \
 update_profile_bfloat16 update_profile_float32 update_settings recipe_bfloat16 recipe_float32 skew_float32 \
 skew_bfloat16 quickstart "
 if [[ $phase != synthetic && $phase != real && $phase != study && $phase != jobs ]]; then
@@ -100,6 +101,9 @@ named() {  # named NAME: one job of the catalogue; float32 jobs run every partic
     real_float32) job real_float32 300 "${cached[@]}" "${bench[@]}" --model smollm2 --matmul-precision float32 \
       --warmup-rounds 2 ;;
     real_bfloat16) job real_bfloat16 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2 ;;
+    # the same with the geometric capacity ladder (ppo.pack_buckets): at most 8 update programs, not 16
+    real_bfloat16_geometric) job "$1" 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 \
+      --warmup-rounds 2 --pack-buckets geometric ;;
     # the update with a per-op profile: --profile turns XLA's CUDA graphs off so the device's ops show
     update_profile_bfloat16) job "$1" 150 "$py" scripts/bench_update.py --reps 3 \
       --profile /tmp/gpu_runs/update_profile_bfloat16 --setting '{"model.dtype": "bfloat16"}' ;;

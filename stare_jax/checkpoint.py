@@ -53,7 +53,7 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk",
-                     "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "rollout.decode_layout",
+                     "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
                      "rollout.compact_min_rows", "model.matmul_precision")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
@@ -69,7 +69,9 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               # what a rematerialised layer keeps (issue 20): "nothing" is the whole-layer remat of before
               "model.remat_saves": "nothing",
               # the precision of float32 products: "default" is each backend's own, as before
-              "model.matmul_precision": "default"}
+              "model.matmul_precision": "default",
+              # the packed capacities' buckets (issue 20): the multiples of ppo.pack_tokens of before
+              "ppo.pack_buckets": "linear"}
 
 
 DIGEST_ALGORITHM = "u32-wsum-mix-v1"

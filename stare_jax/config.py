@@ -179,6 +179,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.ppo.share_prompt = True             # run each group's shared prompt through the update's forward once
     c.ppo.pack_tokens = 0                 # > 0: the update runs on each row's tokens up to its end, packed in
                                           # buffers rounded up to this many tokens per device (0: padded grid)
+    c.ppo.pack_buckets = "linear"         # packed capacities: multiples of pack_tokens ("linear"), or
+                                          # pack_tokens x {1, 2, 3, 4, 6, 8, 12, ...} ("geometric": fewer
+                                          # compilations, more padding; for accelerators)
 
     c.warmstart = ml_collections.ConfigDict()
     c.warmstart.steps = 400              # embedded model: supervised steps on reference answers before RL
@@ -340,7 +343,7 @@ SCHEMA: dict[str, Field] = {
     "optim.lr": _num(0.0), "optim.b1": _num(0.0, 1.0), "optim.b2": _num(0.0, 1.0), "optim.eps": _num(0.0),
     "optim.weight_decay": _num(0.0), "optim.grad_clip": _num(0.0, None, lo_open=True), "optim.warmup_steps": _int(0),
     "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1), "ppo.share_prompt": _BOOL,
-    "ppo.pack_tokens": _int(0),
+    "ppo.pack_tokens": _int(0), "ppo.pack_buckets": _choice("linear", "geometric"),
     "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
     "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1), "eval.at_start": _BOOL,

@@ -178,7 +178,8 @@ def test_roofline_floors_follow_the_workload_shape():
 
 def test_bench_step_real_model_workload_on_a_tiny_gguf(tmp_path):
     """--model FILE.gguf: converted once, the model's own tokenizer and chat template, EOS on, lengths
-    reported per response; FLOPs and roofline from the lengths actually generated."""
+    reported per response; FLOPs and roofline from the lengths actually generated; the packed
+    update's capacity buckets as asked (`--pack-buckets`)."""
     from tests.gguf_fixtures import write_gguf
 
     pytest = __import__("pytest")
@@ -186,7 +187,8 @@ def test_bench_step_real_model_workload_on_a_tiny_gguf(tmp_path):
     src = str(tmp_path / "tiny.gguf")
     write_gguf(src)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--model", src,
-                        "--new-tokens", "6", "--steps", "1", "--model-cache", str(tmp_path / "cache"), "--slots", "8"],
+                        "--new-tokens", "6", "--steps", "1", "--model-cache", str(tmp_path / "cache"), "--slots", "8",
+                        "--pack-tokens", "16", "--pack-buckets", "geometric"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -194,6 +196,9 @@ def test_bench_step_real_model_workload_on_a_tiny_gguf(tmp_path):
     assert os.path.isfile(os.path.join(str(tmp_path / "cache"), "tiny", "config.json"))
     ours = out["participants"]["stare-jax"]
     assert 0 < ours["median_tokens"] <= 64 * 6 and ours["slots"] == 8
+    # the packed update's capacity is a rung of the geometric ladder 16 x {1, 2, 3, 4, 6, 8, 12, 16, 24}
+    assert out["pack_tokens"] == 16 and out["pack_buckets"] == "geometric"
+    assert ours["per_step"][0]["packed_capacity"] in {16 * k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24)}
     assert 0 < out["response_length_mean"]["stare-jax"] <= 6
     assert out["roofline"]["update_floor_s"] > 0 and out["roofline"]["decode_floor_s"] > 0
     assert out["roofline"]["memory_bandwidth_gbs"] > 0 and out["roofline"]["replicas"] == ours["devices"]

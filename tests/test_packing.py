@@ -117,3 +117,55 @@ def test_packed_capacity_buckets_bound_recompilation(mesh4):
     with pytest.raises(ValueError, match="pack_tokens"):
         from stare_jax.rl import RLSettings
         RLSettings.from_config(make_config(**{"update.pack_tokens": -1}))
+
+
+def test_geometric_buckets_bound_the_number_of_capacities_and_their_padding():
+    """`ppo.pack_buckets = "geometric"`: capacities M x {1, 2, 3, 4, 6, 8, 12, 16, ...}, so a
+    16,384-token grid at M = 1,024 has 8 possible programs instead of 16, with the padding under
+    max(M, a third of the capacity); "linear" is the multiples of M as before."""
+    from stare_jax.models.packing import bucket_capacity
+
+    assert [bucket_capacity(c, 1, "geometric") for c in range(1, 18)] == [
+        1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
+    counts = range(1, 16385)
+    geometric = {c: bucket_capacity(c, 1024, "geometric") for c in counts}
+    assert sorted(set(geometric.values())) == [1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384]
+    assert len({bucket_capacity(c, 1024, "linear") for c in counts}) == 16
+    assert all(c <= cap and cap - c < max(1024, cap / 3) for c, cap in geometric.items())
+    assert all(bucket_capacity(c, 1024) == -(-c // 1024) * 1024 for c in (1, 1023, 1024, 1025, 16384))
+    with pytest.raises(ValueError, match="buckets"):
+        bucket_capacity(5, 4, "cubic")
+
+    mask = long_batch()["response_mask"]  # 2 row blocks keep 29 and 34 tokens
+    assert packed_capacity(mask, shards=2, multiple=4) == 36
+    assert packed_capacity(mask, shards=2, multiple=4, buckets="geometric") == 48  # 4 x 12
+    assert packed_capacity(mask, shards=2, multiple=33, buckets="geometric") == 4 * R  # 66 capped at the block's grid
+
+
+def test_update_step_takes_its_capacity_buckets_from_the_config(mesh4, capsys):
+    """The update step rounds with `update.pack_buckets` (the config's `ppo.pack_buckets`; linear by
+    default); an unknown value is refused by the settings and, on the command line, with exit 2 and
+    one line naming the key."""
+    import os
+
+    from stare_jax import config as config_lib
+    from stare_jax.rl import RLSettings
+
+    batch = long_batch()  # 4 row blocks of 2 rows: 19, 10, 21 and 13 tokens
+    capacity = {}
+    for buckets in ("linear", "geometric"):
+        config = make_config(**{"update.pack_tokens": 2, "update.pack_buckets": buckets})
+        step = make_update_step(config, mesh4, fresh_state(config, mesh4))
+        capacity[buckets] = step.packing(batch).capacity
+    assert capacity == {"linear": 22, "geometric": 24}  # 2 x 11, against 2 x 12 on the ladder
+    assert RLSettings.from_config(make_config(**{"update.pack_tokens": 2})).pack_buckets == "linear"
+    with pytest.raises(ValueError, match="pack_buckets"):
+        RLSettings.from_config(make_config(**{"update.pack_buckets": "cubic"}))
+    assert config_lib.default_config().ppo.pack_buckets == "linear"
+    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.py")
+    c = config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.ppo.pack_buckets=geometric"])
+    assert c.ppo.pack_buckets == "geometric" and RLSettings.from_config(c).pack_buckets == "geometric"
+    with pytest.raises(SystemExit) as exc:
+        config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.ppo.pack_buckets=cubic"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "ppo.pack_buckets" in err and len(err.splitlines()) == 1

@@ -64,6 +64,7 @@ def bench_config(workload: dict):
     c.rollout.slots = w.get("slots", 0)
     c.rollout.compact_min_rows = w.get("compact_min_rows", 0)
     c.ppo.pack_tokens = w.get("pack_tokens", 0)
+    c.ppo.pack_buckets = w.get("pack_buckets", "linear")
     if w.get("vocab_chunk"):  # None: the config default
         c.model.vocab_chunk = w["vocab_chunk"]
     c.reward.num_workers = 1

@@ -17,8 +17,11 @@ A gather reads zeros at such an index and a scatter drops it, so the padding ent
 the grid.
 
 The capacity C is static (part of the compiled program's shape): the host rounds the largest
-block's count up to a multiple (`packed_capacity`), so batches whose lengths fall in the same
-bucket share one compilation. Since the largest block sets C for all of them, the host first deals
+block's count up to a bucket (`packed_capacity`), so batches whose lengths fall in the same
+bucket share one compilation. Buckets are the multiples of M (`linear`: at most M - 1 padding
+entries, up to full / M programs) or a geometric ladder M x {1, 2, 3, 4, 6, 8, 12, ...}
+(`geometric`: about 2 log2(full / M) programs, padding under max(M, a third of the capacity)),
+for a chip on which a compilation costs far more than the padding's compute. Since the largest block sets C for all of them, the host first deals
 whole groups to the blocks so that their token counts come out even (`balanced_group_order`).
 """
 
@@ -55,12 +58,35 @@ def kept_lengths(response_mask) -> np.ndarray | jax.Array:
     return xp.max(xp.where(response_mask > 0, cols, 0), axis=-1)
 
 
-def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, micro_batches: int = 1) -> int:
+PACK_BUCKETS = ("linear", "geometric")
+
+
+def bucket_capacity(count: int, multiple: int, buckets: str = "linear") -> int:
+    """The smallest bucket >= `count` (and >= `multiple`): with `linear` buckets the next multiple
+    of M = `multiple`; with `geometric` ones the next rung of M x {1, 2, 3, 4, 6, 8, 12, 16, ...}
+    (M 2^k and 3 M 2^(k-1)), each rung from 2M on at most 1.5x the one below, so the padding stays
+    under max(M, a third of the capacity) while the number of distinct capacities up to n grows as
+    2 log2(n / M) instead of n / M."""
+    if buckets not in PACK_BUCKETS:
+        raise ValueError(f"unknown packing buckets {buckets!r} (one of {', '.join(PACK_BUCKETS)})")
+    multiple = max(int(multiple), 1)
+    count = max(int(count), 1)
+    if buckets == "linear":
+        return -(-count // multiple) * multiple
+    units = 1  # the rung in multiples of M: 1, 2, 3, 4, 6, 8, 12, ... (from 2^k on 1.5x, from 3 2^(k-1) on 4/3x)
+    while units * multiple < count:
+        units = 2 if units == 1 else (units * 3 // 2 if units & (units - 1) == 0 else units * 4 // 3)
+    return units * multiple
+
+
+def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, micro_batches: int = 1,
+                    buckets: str = "linear") -> int:
     """Host side: the static capacity C for a batch's [N, R] response mask (numpy).
 
     The rows are cut like the update cuts them: micro-batch k holds rows {i K + k} (K =
     `micro_batches`), each split into `shards` contiguous blocks; C is the largest block's kept
-    token count rounded up to `multiple`, and at most the block's full grid (rows per block * R).
+    token count rounded up to its bucket (`bucket_capacity` of `multiple` and `buckets`), and at
+    most the block's full grid (rows per block * R).
     """
     mask = np.asarray(response_mask)
     N, R = mask.shape
@@ -69,8 +95,7 @@ def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, mi
     lengths = kept_lengths(mask).astype(np.int64)
     per_block = lengths.reshape(N // micro_batches, micro_batches).T.reshape(micro_batches, shards, -1).sum(-1)
     full = N // (micro_batches * shards) * R
-    multiple = max(int(multiple), 1)
-    return int(min(full, max(multiple, -(-int(per_block.max()) // multiple) * multiple)))
+    return int(min(full, bucket_capacity(int(per_block.max()), multiple, buckets)))
 
 
 def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int) -> np.ndarray:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from stare_jax.models.packing import PACK_BUCKETS
+
 DEFAULTS: dict[str, Any] = {
     "loss.name": "stare",
     "loss.agg": "token-mean",
@@ -57,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "update.grad_accum": 1,
     "update.share_prompt": True,
     "update.pack_tokens": 0,
+    "update.pack_buckets": "linear",
     "model.vocab_chunk": 8192,
     "rollout.group_size": 8,
 }
@@ -71,6 +74,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "update.grad_accum": ("ppo.grad_accum",),
     "update.share_prompt": ("ppo.share_prompt",),
     "update.pack_tokens": ("ppo.pack_tokens",),
+    "update.pack_buckets": ("ppo.pack_buckets",),
 }
 
 _MISSING = object()
@@ -191,6 +195,7 @@ class RLSettings:
     group_size: int = 8
     share_prompt: bool = True
     pack_tokens: int = 0  # > 0: packed responses, capacity rounded up to this multiple (models.packing)
+    pack_buckets: str = "linear"  # capacity buckets: multiples of pack_tokens, or its geometric ladder
 
     @property
     def num_updates(self) -> int:
@@ -248,6 +253,7 @@ class RLSettings:
             grad_accum=int(g("update.grad_accum")), vocab_chunk=int(g("model.vocab_chunk")),
             group_size=int(g("rollout.group_size")), share_prompt=bool(g("update.share_prompt")),
             pack_tokens=int(g("update.pack_tokens")),
+            pack_buckets=_choice("update.pack_buckets", str(g("update.pack_buckets")), PACK_BUCKETS),
         )
         for key, value in (("update.ppo_epochs", out.ppo_epochs), ("update.num_minibatches", out.num_minibatches),
                            ("update.grad_accum", out.grad_accum), ("model.vocab_chunk", out.vocab_chunk),

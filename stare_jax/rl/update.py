@@ -41,9 +41,11 @@ tokens' share of the compute divided by G (by G / K per micro-batch, when K divi
 
 Packed responses. With `ppo.pack_tokens` = M > 0 every forward of the step runs on packed
 responses (`models.packing`): each row's tokens up to its last real one, gathered per batch shard
-into a buffer of static capacity (the largest shard's count rounded up to M), so projections,
-MLPs, norms and the vocabulary pass skip the padding after the responses' ends; attention scatters
-onto the [N, R] grid. Same values up to float32 rounding; one compilation per capacity bucket.
+into a buffer of static capacity (the largest shard's count rounded up to a bucket of M:
+`ppo.pack_buckets`, its multiples or a geometric ladder for chips where compiling costs more than
+padding), so projections, MLPs, norms and the vocabulary pass skip the padding after the
+responses' ends; attention scatters onto the [N, R] grid. Same values up to float32 rounding; one
+compilation per capacity bucket.
 
 Micro-batch k of the K = num_minibatches * grad_accum micro-batches is the strided row set
 {i K + k}, so that with the batch sharded contiguously over (data, fsdp) every micro-batch is spread
@@ -485,7 +487,8 @@ class UpdateStep:
     def _packing_of(self, mask: np.ndarray) -> Packing:
         s = self.settings
         shards = block_count(self.mesh, mask.shape[0] // s.num_micro)
-        return Packing(packed_capacity(mask, shards=shards, multiple=s.pack_tokens, micro_batches=s.num_micro), shards)
+        return Packing(packed_capacity(mask, shards=shards, multiple=s.pack_tokens, micro_batches=s.num_micro,
+                                       buckets=s.pack_buckets), shards)
 
     def arrange(self, batch: dict) -> tuple[dict, Packing | None]:
         """Host side, before sharding: (batch, packing) for a host batch. With packing, whole groups
