@@ -108,7 +108,7 @@ def test_unrolled_layers_and_explicit_matmul_gradient_match(tiny_checkpoints):
     h = jax.random.normal(jax.random.key(0), (3, 5, 8))
     w = jax.random.normal(jax.random.key(1), (8, 6))
     c = jax.random.normal(jax.random.key(2), (3, 5, 6))
-    ours = jax.grad(lambda h, w: (dense(h, w) * c).sum(), argnums=(0, 1))(h, w)
+    ours = jax.grad(lambda h, w: (dense(h, w, jax.numpy.float32) * c).sum(), argnums=(0, 1))(h, w)
     plain = jax.grad(lambda h, w: (jax.numpy.einsum("btd,df->btf", h, w) * c).sum(), argnums=(0, 1))(h, w)
     for a, b in zip(ours, plain):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
@@ -194,10 +194,41 @@ def test_hand_written_norm_and_bias_gradients_match_autodiff():
     wb = jax.random.normal(keys[4], (8, 6))
     b = jax.random.normal(keys[5], (6,))
     c = jax.random.normal(keys[2], (3, 5, 6))
-    ours = jax.grad(lambda h, w, b: (dense_bias(h, w, b) * c).sum(), argnums=(0, 1, 2))(h, wb, b)
+    ours = jax.grad(lambda h, w, b: (dense_bias(h, w, b, jnp.float32) * c).sum(), argnums=(0, 1, 2))(h, wb, b)
     ref = jax.grad(lambda h, w, b: ((jnp.einsum("btd,df->btf", h, w) + b) * c).sum(), argnums=(0, 1, 2))(h, wb, b)
     for a, r in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_projection_comes_out_of_the_product_with_a_float32_weight_gradient():
+    """`project` in bfloat16: the product itself returns bfloat16 (float32 accumulation, one
+    rounding: the float32 product cast to bfloat16, bit for bit), so no float32 [..., F] array is
+    made and cast; the float32 weight's gradient is accumulated and returned in float32 (not
+    rounded through bfloat16), with or without a bias; in float32 nothing is cast at all."""
+    import jax.numpy as jnp
+
+    from stare_jax.models.decoder import project
+
+    keys = jax.random.split(jax.random.key(5), 4)
+    h = jax.random.normal(keys[0], (3, 5, 64)).astype(jnp.bfloat16)
+    w = 0.1 * jax.random.normal(keys[1], (64, 48))
+    b = jax.random.normal(keys[2], (48,))
+    c = jax.random.normal(keys[3], (3, 5, 48)).astype(jnp.bfloat16)
+    y = project(h, w, None, jnp.bfloat16)
+    want = jnp.einsum("btd,df->btf", h, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
+    jaxpr = str(jax.make_jaxpr(lambda h, w: project(h, w, None, jnp.bfloat16))(h, w))
+    assert "preferred_element_type=bfloat16" in jaxpr and "f32[3,5,48]" not in jaxpr
+    for bias in (None, b):
+        dw = jax.grad(lambda w: (project(h, w, bias, jnp.bfloat16).astype(jnp.float32) * c).sum())(w)
+        exact = jnp.einsum("btd,btf->df", h.astype(jnp.float32), c.astype(jnp.float32))
+        assert dw.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(dw), np.asarray(exact), rtol=1e-5, atol=1e-5)
+        # the bfloat16 rounding of the weight gradient the cast-then-project form made is gone
+        assert float(jnp.abs(dw - dw.astype(jnp.bfloat16).astype(jnp.float32)).max()) > 0
+    f32 = str(jax.make_jaxpr(lambda h, w: project(h, w, None, jnp.float32))(h.astype(jnp.float32), w))
+    assert "convert_element_type" not in f32
 
 
 def test_swiglu_backward_matches_autodiff():

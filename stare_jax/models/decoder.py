@@ -324,57 +324,71 @@ class Decoder(nnx.Module):
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
 
 
-@jax.custom_vjp
-def dense(h: jax.Array, w: jax.Array) -> jax.Array:
-    """h @ w over the last axis of h [..., D] with w [D, F], accumulated and returned in float32.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(h: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    """h @ w over the last axis of h [..., D] with w [D, F] (cast to h's dtype for the product),
+    accumulated in float32 and returned in `out_dtype` by the product itself: a bfloat16 result
+    comes out of the matmul, not from a float32 [..., F] array and a separate cast (on a GPU one
+    pass over every projection's output less, forward and backward).
 
-    Its gradient is written out as two plain 2-D matmuls, dh = g w^T and dw = h^T g (rows of h and
-    g flattened, the transposes on the smaller operands). Autodiff of the einsum gives the same
-    values, but XLA:CPU then lays the backward out with a transpose of every [tokens, F] cotangent
-    fused into a strided elementwise loop, which made the backward pass ~2x slower on CPU.
+    Its gradient is written out as two plain 2-D matmuls, dh = g w^T (in h's dtype) and dw = h^T g
+    (float32 accumulation, in w's own dtype: a float32 parameter's gradient is not rounded through
+    the compute dtype), rows of h and g flattened, the transposes on the smaller operands. Autodiff
+    of the einsum gives the same values, but XLA:CPU then lays the backward out with a transpose of
+    every [tokens, F] cotangent fused into a strided elementwise loop, which made the backward pass
+    ~2x slower on CPU.
     """
-    return jnp.einsum("...d,df->...f", h, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,df->...f", h, w.astype(h.dtype), preferred_element_type=out_dtype)
 
 
-def _dense_fwd(h, w):
-    return dense(h, w), (h, w)
+def _dense_fwd(h, w, out_dtype):
+    return dense(h, w, out_dtype), (h, w)
 
 
-def _dense_bwd(res, g):
-    h, w = res
-    g2 = g.reshape(-1, g.shape[-1])
-    dh = jnp.dot(g2.astype(h.dtype), w.T, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.dot(h.reshape(-1, h.shape[-1]).T, g2.astype(h.dtype), preferred_element_type=jnp.float32)
+def _dense_grads(h, w, g):
+    """(dh, dw) of h @ w for the cotangent g [..., F]: dh in h's dtype, dw accumulated in float32
+    and returned in w's dtype."""
+    g2 = g.reshape(-1, g.shape[-1]).astype(h.dtype)
+    dh = jnp.dot(g2, w.astype(h.dtype).T, preferred_element_type=h.dtype)
+    dw = jnp.dot(h.reshape(-1, h.shape[-1]).T, g2, preferred_element_type=jnp.float32)
     return dh.reshape(h.shape), dw.astype(w.dtype)
+
+
+def _dense_bwd(out_dtype, res, g):
+    return _dense_grads(*res, g)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-@jax.custom_vjp
-def dense_bias(h: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
-    """`dense(h, w) + b` in float32; the bias gradient is a `column_sum` of the cotangent."""
-    return dense(h, w) + b.astype(jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dense_bias(h: jax.Array, w: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    """`dense(h, w) + b` with the bias added in float32, then returned in `out_dtype`; the bias
+    gradient is a `column_sum` of the cotangent."""
+    y = jnp.einsum("...d,df->...f", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return (y + b.astype(jnp.float32)).astype(out_dtype)
 
 
-def _dense_bias_fwd(h, w, b):
-    return dense_bias(h, w, b), (h, w, b)
+def _dense_bias_fwd(h, w, b, out_dtype):
+    return dense_bias(h, w, b, out_dtype), (h, w, b)
 
 
-def _dense_bias_bwd(res, g):
+def _dense_bias_bwd(out_dtype, res, g):
     h, w, b = res
-    dh, dw = _dense_bwd((h, w), g)
-    return dh, dw, column_sum(g).astype(b.dtype)
+    dh, dw = _dense_grads(h, w, g)
+    return dh, dw, column_sum(g.astype(jnp.float32)).astype(b.dtype)
 
 
 dense_bias.defvjp(_dense_bias_fwd, _dense_bias_bwd)
 
 
 def project(h: jax.Array, w: jax.Array, b: jax.Array | None, dtype, name: str = PROJECTION) -> jax.Array:
-    """h @ w (+ b) over the last axis, accumulated in float32, returned in `dtype` (named `name`
-    for the rematerialisation policies of `REMAT_SAVES`)."""
-    y = dense(h, w.astype(dtype)) if b is None else dense_bias(h, w.astype(dtype), b)
-    return checkpoint_name(y.astype(dtype), name)
+    """h @ w (+ b) over the last axis, h in `dtype`, accumulated in float32, returned in `dtype`
+    (named `name` for the rematerialisation policies of `REMAT_SAVES`); w stays in its parameter
+    dtype here (`dense` casts it for the product), so its gradient is not rounded to `dtype`."""
+    h = h.astype(dtype)
+    y = dense(h, w, dtype) if b is None else dense_bias(h, w, b, dtype)
+    return checkpoint_name(y, name)
 
 
 def fuse_projections(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
