@@ -593,7 +593,9 @@ def test_bench_step_times_a_paired_setting_on_the_same_batches():
     assert out["paired_setting"] == {"model.vocab_chunk": 512}
     step = out["participants"]["stare-jax"]["per_step"][0]
     assert step["paired_update_s"] == out["paired_median_update_s"] > 0
-    assert out["paired_update_speedup"] == pytest.approx(step["update_s"] / step["paired_update_s"], abs=1e-3)
+    # the per-step times are rounded to 0.1 ms in the JSON and a smoke update takes ~15 ms, so the
+    # ratio of the rounded times matches the speedup (of the exact ones) to ~1 %, not to 1e-3
+    assert out["paired_update_speedup"] == pytest.approx(step["update_s"] / step["paired_update_s"], rel=1e-2)
     assert 0 < out["paired_update_mfu"]["main"] < 1 and 0 < out["paired_update_mfu"]["paired"] < 1
     # the worker holds two update programs: oneTBB's cache bound is raised for it on a CPU host
     bench_step = _load_script("bench_step", "bench_step.py")

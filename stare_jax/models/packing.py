@@ -21,8 +21,9 @@ block's count up to a bucket (`packed_capacity`), so batches whose lengths fall 
 bucket share one compilation. Buckets are the multiples of M (`linear`: at most M - 1 padding
 entries, up to full / M programs) or a geometric ladder M x {1, 2, 3, 4, 6, 8, 12, ...}
 (`geometric`: about 2 log2(full / M) programs, padding under max(M, a third of the capacity)),
-for a chip on which a compilation costs far more than the padding's compute. Since the largest block sets C for all of them, the host first deals
-whole groups to the blocks so that their token counts come out even (`balanced_group_order`).
+for a chip on which a compilation costs far more than the padding's compute. Since the largest
+block sets C for all of them, the host first deals whole groups to the blocks so that their token
+counts come out even (`balanced_group_order`).
 """
 
 from __future__ import annotations
