@@ -169,3 +169,34 @@ def test_update_step_takes_its_capacity_buckets_from_the_config(mesh4, capsys):
         config_lib.load_config_or_exit(["train", "--config", quickstart, "--config.ppo.pack_buckets=cubic"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "ppo.pack_buckets" in err and len(err.splitlines()) == 1
+
+
+def test_moves_between_the_layouts_are_gathers_with_exact_gradients():
+    """With the inverse index (`packed_inverse_index`) `gather_packed` and `scatter_packed` give the
+    same values as without it, and gradients equal to the bit to autodiff's, computed by gathers:
+    no scatter-add in the gradient's program (a GPU runs one with atomic adds, a CPU as a loop)."""
+    from stare_jax.models.packing import packed_inverse_index
+
+    mask = long_batch()["response_mask"]
+    for shards, capacity in ((1, 80), (2, 40), (4, 24)):
+        index = packed_token_index(jax.numpy.asarray(mask), capacity, shards)
+        inverse = packed_inverse_index(index, N, R)
+        assert inverse.shape == (shards, N // shards * R)
+        kept = np.asarray(index) < N // shards * R  # the packed entries that hold a token
+        for s in range(shards):  # one-to-one: the inverse sends each kept position back to its entry
+            np.testing.assert_array_equal(np.asarray(inverse)[s][np.asarray(index)[s][kept[s]]],
+                                          np.arange(capacity)[kept[s]])
+        assert int((np.asarray(inverse) < capacity).sum()) == int(kept.sum())
+        keys = jax.random.split(jax.random.key(shards), 4)
+        grid = jax.random.normal(keys[0], (N, R, 3))
+        packed = jax.random.normal(keys[1], (shards, capacity, 3))
+        to_packed = lambda x, *inv: (gather_packed(x, index, *inv) * jax.random.normal(keys[2], (shards, capacity, 3))).sum()  # noqa: E731
+        to_grid = lambda x, *inv: (scatter_packed(x, index, N, R, *inv) * jax.random.normal(keys[3], (N, R, 3))).sum()  # noqa: E731
+        np.testing.assert_array_equal(gather_packed(grid, index, inverse), gather_packed(grid, index))
+        np.testing.assert_array_equal(scatter_packed(packed, index, N, R, inverse), scatter_packed(packed, index, N, R))
+        np.testing.assert_array_equal(jax.grad(to_packed)(grid, inverse), jax.grad(to_packed)(grid))
+        np.testing.assert_array_equal(jax.grad(to_grid)(packed, inverse), jax.grad(to_grid)(packed))
+        for f, x in ((to_packed, grid), (to_grid, packed)):
+            with_inverse = str(jax.make_jaxpr(jax.grad(f))(x, inverse))
+            assert "scatter-add" not in with_inverse and "scatter_add" not in with_inverse
+        assert "scatter-add" in str(jax.make_jaxpr(jax.grad(to_packed))(grid))  # autodiff's own gradient

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stare_jax import parallel
 from stare_jax.models.attention import grouped_response_attention
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
-from stare_jax.models.packing import Packing, gather_packed, packed_token_index, scatter_packed
+from stare_jax.models.packing import Packing, gather_packed, packed_inverse_index, packed_token_index, scatter_packed
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
 _MASK_VALUE = -1e30
@@ -257,7 +257,7 @@ class Decoder(nnx.Module):
 
     def packed_grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
                                      response_mask: jax.Array, packing: Packing
-                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """`grouped_hidden_states` with the responses packed (`models.packing`): every per-token
         operation runs on each row block's kept tokens [S, C] instead of the padded grid [N, R];
         attention scatters q/k/v onto the grid and gathers its output back.
@@ -265,18 +265,21 @@ class Decoder(nnx.Module):
         The same values as `grouped_hidden_states` at the kept positions (up to float32 rounding).
         `packing` = (C, S), both static: S row blocks (`packing.block_count`, one per batch shard)
         of C entries (`packing.packed_capacity` of the same mask and S). Returns (prompt hidden
-        [B, P, D], packed response hidden [S, C, D], index [S, C]); the index maps packed entries to
-        grid positions (`packing.packed_rows_and_columns`).
+        [B, P, D], packed response hidden [S, C, D], index [S, C], inverse [S, N R / S]); the index
+        maps packed entries to grid positions (`packing.packed_rows_and_columns`), the inverse grid
+        positions to packed entries (`packing.packed_inverse_index`), so that the moves between the
+        two layouts and their gradients are gathers.
         """
         N, R = response_ids.shape
         index = packed_token_index(response_mask.astype(jnp.int32), packing.capacity, packing.shards)
+        inverse = self.constrain_batch(packed_inverse_index(index, N, R))
         embed, rope_p, rope_r, biases = self._grouped_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-        rope_c = tuple(self.constrain_batch(gather_packed(t, index)) for t in rope_r)
-        grid = lambda t: self.constrain_batch(scatter_packed(t, index, N, R))  # noqa: E731
-        packed = lambda t: self.constrain_batch(gather_packed(t, index))  # noqa: E731
-        xp, xc = self._run_grouped_layers(embed(prompt_ids), embed(gather_packed(response_ids, index)), rope_p,
-                                          rope_c, biases, grid=grid, packed=packed)
-        return self._final_norm(xp), self._final_norm(xc), index
+        rope_c = tuple(self.constrain_batch(gather_packed(t, index, inverse)) for t in rope_r)
+        grid = lambda t: self.constrain_batch(scatter_packed(t, index, N, R, inverse))  # noqa: E731
+        packed = lambda t: self.constrain_batch(gather_packed(t, index, inverse))  # noqa: E731
+        xp, xc = self._run_grouped_layers(embed(prompt_ids), embed(gather_packed(response_ids, index, inverse)),
+                                          rope_p, rope_c, biases, grid=grid, packed=packed)
+        return self._final_norm(xp), self._final_norm(xc), index, inverse
 
     def _grouped_inputs(self, prompt_ids, prompt_mask, response_ids, response_mask):
         """(embed, prompt RoPE, response RoPE [N, R], attention biases) of a grouped forward."""

@@ -135,19 +135,61 @@ def packed_token_index(response_mask: jax.Array, capacity: int, shards: int) -> 
     return jax.vmap(lambda k: jnp.nonzero(k, size=capacity, fill_value=per)[0].astype(jnp.int32))(keep)
 
 
-def gather_packed(grid: jax.Array, index: jax.Array) -> jax.Array:
-    """grid [N, R, ...] -> packed [S, C, ...]: the grid's entries at `index` (zeros at padding)."""
+def packed_inverse_index(index: jax.Array, rows: int, length: int) -> jax.Array:
+    """[S, rows / S * length] int32: for each grid position of a row block, the packed entry that
+    holds it, or C (out of range) where none does: the inverse of `packed_token_index`'s map, which
+    is one-to-one on the kept positions. One integer scatter per forward; with it every move between
+    the grid and the packed layout, and each one's gradient, is a gather (`gather_packed`,
+    `scatter_packed`)."""
+    S, C = index.shape
+    per = rows // S * length
+    entries = jnp.arange(C, dtype=jnp.int32)
+    return jax.vmap(lambda i: jnp.full((per,), C, jnp.int32).at[i].set(entries, mode="drop"))(index)
+
+
+@jax.custom_vjp
+def _take_blocks(x: jax.Array, src: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x [S, A, ...] -> [S, B, ...] with out[s, b] = x[s, src[s, b]], zeros where src[s, b] >= A.
+
+    `src` is one-to-one on its in-range entries and `inverse` [S, A] is its inverse (B where no b
+    reads a), so the gradient, dx[s, a] = g[s, inverse[s, a]], is another such gather rather than
+    the scatter-add that autodiff of a gather makes (atomic adds on a GPU, a serial loop on a CPU),
+    and it is exact: each dx entry receives at most one cotangent."""
+    return jax.vmap(lambda v, i: jnp.take(v, i, axis=0, mode="fill", fill_value=0))(x, src)
+
+
+def _take_blocks_fwd(x, src, inverse):
+    return _take_blocks(x, src, inverse), (src, inverse)
+
+
+def _take_blocks_bwd(res, g):
+    src, inverse = res
+    return _take_blocks(g, inverse, src), None, None
+
+
+_take_blocks.defvjp(_take_blocks_fwd, _take_blocks_bwd)
+
+
+def gather_packed(grid: jax.Array, index: jax.Array, inverse: jax.Array | None = None) -> jax.Array:
+    """grid [N, R, ...] -> packed [S, C, ...]: the grid's entries at `index` (zeros at padding).
+    With `inverse` (`packed_inverse_index`) its gradient is a gather too (`_take_blocks`)."""
     S = index.shape[0]
     blocks = grid.reshape((S, grid.shape[0] // S * grid.shape[1]) + grid.shape[2:])
+    if inverse is not None:
+        return _take_blocks(blocks, index, inverse)
     return jax.vmap(lambda b, i: jnp.take(b, i, axis=0, mode="fill", fill_value=0))(blocks, index)
 
 
-def scatter_packed(packed: jax.Array, index: jax.Array, rows: int, length: int) -> jax.Array:
+def scatter_packed(packed: jax.Array, index: jax.Array, rows: int, length: int,
+                   inverse: jax.Array | None = None) -> jax.Array:
     """packed [S, C, ...] -> grid [rows, length, ...] with the packed entries at `index` and zeros
-    elsewhere (padding entries dropped); the inverse of `gather_packed` on the kept positions."""
+    elsewhere (padding entries dropped); the inverse of `gather_packed` on the kept positions. With
+    `inverse` (`packed_inverse_index`) it is computed as a gather by it, and so is its gradient."""
     S = index.shape[0]
     per = rows // S * length
     tail = packed.shape[2:]
+    if inverse is not None:
+        return _take_blocks(packed, inverse, index).reshape((rows, length) + tail)
     blocks = jax.vmap(lambda v, i: jnp.zeros((per,) + tail, packed.dtype).at[i].set(v, mode="drop"))(packed, index)
     return blocks.reshape((rows, length) + tail)
 

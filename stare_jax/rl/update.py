@@ -141,16 +141,16 @@ def _packed_response_token_stats(model, input_ids, attention_mask, response_len:
     R, P_len = response_len, L - response_len
     prompts = functools.partial(_group_prompts, group_size=group_size, prompt_len=P_len)
     responses = input_ids[:, P_len:]
-    prompt_hidden, packed_hidden, index = model.packed_grouped_hidden_states(
+    prompt_hidden, packed_hidden, index, inverse = model.packed_grouped_hidden_states(
         prompts(input_ids), prompts(attention_mask), responses, attention_mask[:, P_len:], packing)
     row, col = packed_rows_and_columns(index, N, R)
     previous = jnp.concatenate([jnp.zeros_like(packed_hidden[:, :1]), packed_hidden[:, :-1]], axis=1)
     last_prompt = jnp.take(prompt_hidden[:, -1], row // group_size, axis=0)  # [S, C, D]
     h = model.constrain_batch(jnp.where((col == 0)[..., None], last_prompt, previous))
-    stats = token_stats(h, model.output_embedding(), gather_packed(responses, index), chunk_size=vocab_chunk,
+    stats = token_stats(h, model.output_embedding(), gather_packed(responses, index, inverse), chunk_size=vocab_chunk,
                         temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
                         partials=parallel.partial_sum_sharding(model.mesh))
-    grid = lambda x: None if x is None else model.constrain_batch(scatter_packed(x, index, N, R))  # noqa: E731
+    grid = lambda x: None if x is None else model.constrain_batch(scatter_packed(x, index, N, R, inverse))  # noqa: E731
     return TokenStats(log_probs=grid(stats.log_probs), entropy=grid(stats.entropy), pi2_dev=grid(stats.pi2_dev))
 
 
