@@ -147,6 +147,11 @@ def packed_inverse_index(index: jax.Array, rows: int, length: int) -> jax.Array:
     return jax.vmap(lambda i: jnp.full((per,), C, jnp.int32).at[i].set(entries, mode="drop"))(index)
 
 
+def _take(x: jax.Array, src: jax.Array) -> jax.Array:
+    """x [S, A, ...] -> [S, B, ...] with out[s, b] = x[s, src[s, b]], zeros where src[s, b] >= A."""
+    return jax.vmap(lambda v, i: jnp.take(v, i, axis=0, mode="fill", fill_value=0))(x, src)
+
+
 @jax.custom_vjp
 def _take_blocks(x: jax.Array, src: jax.Array, inverse: jax.Array) -> jax.Array:
     """x [S, A, ...] -> [S, B, ...] with out[s, b] = x[s, src[s, b]], zeros where src[s, b] >= A.
@@ -155,7 +160,7 @@ def _take_blocks(x: jax.Array, src: jax.Array, inverse: jax.Array) -> jax.Array:
     reads a), so the gradient, dx[s, a] = g[s, inverse[s, a]], is another such gather rather than
     the scatter-add that autodiff of a gather makes (atomic adds on a GPU, a serial loop on a CPU),
     and it is exact: each dx entry receives at most one cotangent."""
-    return jax.vmap(lambda v, i: jnp.take(v, i, axis=0, mode="fill", fill_value=0))(x, src)
+    return _take(x, src)
 
 
 def _take_blocks_fwd(x, src, inverse):
@@ -175,9 +180,7 @@ def gather_packed(grid: jax.Array, index: jax.Array, inverse: jax.Array | None =
     With `inverse` (`packed_inverse_index`) its gradient is a gather too (`_take_blocks`)."""
     S = index.shape[0]
     blocks = grid.reshape((S, grid.shape[0] // S * grid.shape[1]) + grid.shape[2:])
-    if inverse is not None:
-        return _take_blocks(blocks, index, inverse)
-    return jax.vmap(lambda b, i: jnp.take(b, i, axis=0, mode="fill", fill_value=0))(blocks, index)
+    return _take(blocks, index) if inverse is None else _take_blocks(blocks, index, inverse)
 
 
 def scatter_packed(packed: jax.Array, index: jax.Array, rows: int, length: int,

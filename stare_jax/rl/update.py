@@ -44,8 +44,8 @@ responses (`models.packing`): each row's tokens up to its last real one, gathere
 into a buffer of static capacity (the largest shard's count rounded up to a bucket of M:
 `ppo.pack_buckets`, its multiples or a geometric ladder for chips where compiling costs more than
 padding), so projections, MLPs, norms and the vocabulary pass skip the padding after the
-responses' ends; attention scatters onto the [N, R] grid. Same values up to float32 rounding; one
-compilation per capacity bucket.
+responses' ends; attention moves its inputs onto the [N, R] grid and its output back (gathers
+both ways, gradients too). Same values up to float32 rounding; one compilation per capacity bucket.
 
 Micro-batch k of the K = num_minibatches * grad_accum micro-batches is the strided row set
 {i K + k}, so that with the batch sharded contiguously over (data, fsdp) every micro-batch is spread
