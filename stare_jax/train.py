@@ -7,12 +7,16 @@ A bad config, a missing model or data path, a workdir that is a file or is in us
 training exit with status 2 and a one-line message before anything is compiled; so does a model
 directory that cannot be used (a damaged config.json, weights or tokenizer file, an unsupported
 architecture). SIGTERM/SIGINT
-finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md).
+finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md). With
+`--restarts N` a training process killed by a signal (an XLA abort, the OOM killer) is started
+again from its newest checkpoint, at most N times, each restart recorded in WORKDIR/restarts.jsonl
+(`stare_jax.supervisor`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from stare_jax import config as config_lib
@@ -97,8 +101,34 @@ def _is_workdir_value(argv, arg) -> bool:
     return any(argv[i] == "--workdir" and argv[i + 1] is arg for i in range(len(argv) - 1))
 
 
-if __name__ == "__main__":
-    from stare_jax import allocator
+def cli(argv=None) -> None:
+    """The command line: `main` in this process, or, with `--restarts N` (N > 0), `main` in a child
+    process that `supervisor.supervise` restarts after a death by signal; exits with its status."""
+    from stare_jax import supervisor
 
-    allocator.reexec_if_wanted()  # oneTBB's malloc on a CPU host (STARE_JAX_MALLOC; allocator module)
-    main()
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        rest, restarts = supervisor.split_restarts_flag(argv[1:])
+    except supervisor.RestartsFlagError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if not restarts:
+        from stare_jax import allocator
+
+        allocator.reexec_if_wanted()  # oneTBB's malloc on a CPU host (STARE_JAX_MALLOC; allocator module)
+        main([argv[0], *rest])
+        return
+    config = config_lib.load_config_or_exit([a for a in [argv[0], *rest] if not a.startswith("--workdir")
+                                             and not _is_workdir_value(rest, a)])
+    workdir = parse_workdir(rest)
+    if config.distributed.num_processes > 1 or config.distributed.coordinator_address:
+        print(f"config error: {supervisor.FLAG}: restarts one process; a training on several processes must restart "
+              f"all of them together (the cluster scheduler's restart policy); allowed: {supervisor.FLAG} 0 here",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(supervisor.supervise([sys.executable, "-m", "stare_jax.train", *rest], os.path.abspath(workdir),
+                                  restarts))
+
+
+if __name__ == "__main__":
+    cli()
