@@ -104,6 +104,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def replicated_in_trace(x: jax.Array) -> jax.Array:
+    """x constrained to be whole on every device of the mesh the current trace runs on (the abstract
+    mesh set by `jax.sharding.use_abstract_mesh`, as the update step sets its own), or x itself when
+    the trace has no mesh or one device. One all-gather before a loop that reduces over x in every
+    trip (token selection's bisection) leaves the loop without collectives: each device counts over
+    the whole array, and no trip waits for another device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, P())
+
+
 def batch_divisor(mesh: Mesh) -> int:
     """The number of batch shards: |data| * |fsdp|."""
     return int(mesh.shape["data"] * mesh.shape["fsdp"])

@@ -8,7 +8,10 @@ the k-th largest member score t by bisection on the float32 bit pattern and keep
     selected_i = member_i and (score_i > t, or score_i == t and i is among the first
                  k - |{members: score > t}| members scoring t by index)
 
-which is the ordering "score descending, ties by index" without a sort.
+which is the ordering "score descending, ties by index" without a sort. On a mesh the scores are
+gathered whole onto every device before the bisection (`parallel.replicated_in_trace`), so its loop
+holds no collective: on a CPU host split into several devices, collectives inside loops are what
+the rare ordering deadlock of docs/performance.md needs.
 
 Counts use exact integer arithmetic when the ratio is a simple fraction (0.1 = 1/10, 2e-4 =
 1/5000, ...), so `ceil(0.1 * 1_500_000 - 1e-6)` is 150000 as in float64 Python, not 150001 as a
@@ -21,6 +24,8 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+
+from stare_jax import parallel
 
 _MAX_DENOMINATOR = 10_000
 
@@ -77,8 +82,10 @@ def select_top_k(scores: jax.Array, member: jax.Array, k: jax.Array, *, num_grou
     and of the members equal to t the first k - |{key > t}| by index.
     """
     shape = scores.shape
-    key = _order_key(scores.reshape(num_groups, -1))
-    member = member.reshape(num_groups, -1).astype(bool)
+    # Whole on every device of the trace's mesh: the 32 counting passes below then sum locally,
+    # with no collective inside the loop (parallel.replicated_in_trace).
+    key = parallel.replicated_in_trace(_order_key(scores.reshape(num_groups, -1)))
+    member = parallel.replicated_in_trace(member.reshape(num_groups, -1).astype(bool))
     k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), (num_groups,))[:, None]
 
     def refine(bit, t):

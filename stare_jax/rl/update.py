@@ -294,7 +294,14 @@ def _tree_where(pred, a, b):
 
 def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None = None):
     """The whole update step on pure state (see the module docstring); `packing` (static) runs every
-    forward over packed responses."""
+    forward over packed responses. Traced with `mesh` as the abstract mesh of the trace, which
+    `parallel.replicated_in_trace` reads (token selection gathers its scores once, outside its loop)."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return _update_body(settings, mesh, graphdef, state, batch, rng, packing)
+
+
+def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None):
+    """`_update_pure` inside its mesh context."""
     ts = nnx.merge(graphdef, state)
     controller = ts.controller.get()
     ids = batch["input_ids"].astype(jnp.int32)
