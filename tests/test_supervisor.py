@@ -46,6 +46,15 @@ def _child(workdir, plan):
     return [sys.executable, "-c", CHILD, str(workdir), plan]
 
 
+def _supervise(workdir, plan, restarts):
+    """`supervisor.supervise` of the stand-in in a fresh interpreter, as the command line runs it
+    (no JAX threads in the forking process): the finished process."""
+    code = ("import sys; from stare_jax import supervisor; "
+            f"sys.exit(supervisor.supervise({_child(workdir, plan)!r}, {str(workdir)!r}, {restarts}))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
 def _commit(workdir, step):
     root = os.path.join(workdir, "checkpoints", str(step))
     for item in ("", "state", "data", "meta"):
@@ -74,31 +83,31 @@ def test_latest_committed_step_counts_only_fully_committed_steps(tmp_path):
     assert supervisor.latest_committed_step(str(tmp_path)) == 4
 
 
-def test_deaths_by_signal_are_restarted_and_recorded_until_the_child_ends(tmp_path, capfd):
+def test_deaths_by_signal_are_restarted_and_recorded_until_the_child_ends(tmp_path):
     _commit(str(tmp_path), 2)
-    status = supervisor.supervise(_child(tmp_path, "kill,abort,0"), str(tmp_path), 3)
-    assert status == 0
+    r = _supervise(tmp_path, "kill,abort,0", 3)
+    assert r.returncode == 0, r.stderr
     assert (tmp_path / "starts").read_text() == "3"
     rows = read_jsonl(str(tmp_path / supervisor.RECORD))
     assert [(r["died_of"], r["returncode"], r["resume_step"], r["restart"], r["max_restarts"]) for r in rows] == [
         ("SIGKILL", -9, 2, 1, 3), ("SIGABRT", -6, 2, 2, 3)]
-    err = capfd.readouterr().err.strip().splitlines()
+    err = r.stderr.strip().splitlines()
     assert len(err) == 2 and "died of SIGKILL; restarting, from checkpoint step 2 (restart 1 of 3" in err[0]
     assert "died of SIGABRT" in err[1]
 
 
-def test_restarts_are_bounded_and_the_last_death_is_the_status(tmp_path, capfd):
-    status = supervisor.supervise(_child(tmp_path, "kill"), str(tmp_path), 2)
-    assert status == 128 + 9  # as a shell reports a process killed by SIGKILL
+def test_restarts_are_bounded_and_the_last_death_is_the_status(tmp_path):
+    r = _supervise(tmp_path, "kill", 2)
+    assert r.returncode == 128 + 9  # as a shell reports a process killed by SIGKILL
     assert (tmp_path / "starts").read_text() == "3"
     assert len(read_jsonl(str(tmp_path / supervisor.RECORD))) == 2
-    last = capfd.readouterr().err.strip().splitlines()[-1]
+    last = r.stderr.strip().splitlines()[-1]
     assert "after 2 restart(s): giving up; no checkpoint yet; rerun the command to resume" in last
 
 
 @pytest.mark.parametrize("status", [1, 2, 3])
 def test_an_exit_with_a_status_is_never_restarted(tmp_path, status):
-    assert supervisor.supervise(_child(tmp_path, str(status)), str(tmp_path), 5) == status
+    assert _supervise(tmp_path, str(status), 5).returncode == status
     assert (tmp_path / "starts").read_text() == "1"
     assert not (tmp_path / supervisor.RECORD).exists()
 

@@ -232,6 +232,13 @@ class Decoder(nnx.Module):
         bias = jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]  # [B,1,1,T,S]
 
         x = self.constrain_batch(x)
+        if cache is None and self._per_device(x.shape[0]):
+            def make_layer(inputs):
+                def layer(x, p, _):
+                    return _decoder_layer(cfg, self.dtype, p, x, *inputs, None, 0)[0], None
+                return layer
+
+            return self._final_norm(self._layers_by_device(make_layer, x, (cos, sin, bias))), None
 
         def layer(x, p, layer_cache):
             x, new_cache = _decoder_layer(cfg, self.dtype, p, x, cos, sin, bias, layer_cache, cache_index)
@@ -275,10 +282,8 @@ class Decoder(nnx.Module):
         inverse = self.constrain_batch(packed_inverse_index(index, N, R))
         embed, rope_p, rope_r, biases = self._grouped_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
         rope_c = tuple(self.constrain_batch(gather_packed(t, index, inverse)) for t in rope_r)
-        grid = lambda t: self.constrain_batch(scatter_packed(t, index, N, R, inverse))  # noqa: E731
-        packed = lambda t: self.constrain_batch(gather_packed(t, index, inverse))  # noqa: E731
         xp, xc = self._run_grouped_layers(embed(prompt_ids), embed(gather_packed(response_ids, index, inverse)),
-                                          rope_p, rope_c, biases, grid=grid, packed=packed)
+                                          rope_p, rope_c, biases, moves=(index, inverse, N, R))
         return self._final_norm(xp), self._final_norm(xc), index, inverse
 
     def _grouped_inputs(self, prompt_ids, prompt_mask, response_ids, response_mask):
@@ -301,27 +306,70 @@ class Decoder(nnx.Module):
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
         return embed, rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table), biases
 
-    def _run_layers(self, layer, carry, per_layer=None):
+    def _run_layers(self, layer, carry, per_layer=None, params=None):
         """Scans `layer(carry, params, per_layer_slice) -> (carry, out)` over the stacked layers
-        (params fused when `fused_projections`, each layer rematerialised with `remat`, keeping what
-        `REMAT_SAVES[remat_saves]` saves); returns (carry, stacked outs)."""
+        (`params`: the stacked arrays, default this model's; fused when `fused_projections`, each
+        layer rematerialised with `remat`, keeping what `REMAT_SAVES[remat_saves]` saves); returns
+        (carry, stacked outs)."""
         def body(c, xs):
             p, extra = xs
             return layer(c, fuse_projections(p) if self.fused_projections else p, extra)
 
         if self.remat:
             body = jax.checkpoint(body, policy=REMAT_SAVES[self.remat_saves])
-        return jax.lax.scan(body, carry, (self.layers.arrays(), per_layer), unroll=not self.scan_layers)
+        params = self.layers.arrays() if params is None else params
+        return jax.lax.scan(body, carry, (params, per_layer), unroll=not self.scan_layers)
 
-    def _run_grouped_layers(self, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None):
-        """The grouped blocks over prompts xp and responses xr (grid [N, R, D] or, with `grid` /
-        `packed`, packed [S, C, D]); returns the last block's (xp, xr)."""
-        def layer(carry, p, _):
-            xp, xr = _grouped_decoder_layer(self.config, self.dtype, p, *carry, rope_p, rope_r, biases,
-                                            grid=grid, packed=packed)
-            return (self.constrain_batch(xp), self.constrain_batch(xr)), None
+    def _per_device(self, *rows: int) -> bool:
+        """Whether a forward without a cache runs its layer stack per device (`_layers_by_device`):
+        a purely data-parallel mesh of several CPU devices (`parallel.partial_sum_sharding`) whose
+        size divides every batch-like leading axis in `rows`. CPU only: there the devices are
+        threads of one process whose collectives inside loops can deadlock (docs/performance.md);
+        an accelerator's collective inside the backward loop instead overlaps each layer's gradient
+        sum with the next layer's compute, which one sum after the loop would give up."""
+        sharding = parallel.partial_sum_sharding(self.mesh)
+        return (sharding is not None and self.mesh.devices.flat[0].platform == "cpu"
+                and all(r % self.mesh.shape["data"] == 0 for r in rows))
 
-        return self._run_layers(layer, (xp, xr))[0]
+    def _layers_by_device(self, make_layer, carry, inputs):
+        """The layer stack as one `jax.shard_map` over the "data" axis: each device scans the layers
+        over its own rows of `carry` and `inputs` (pytrees split along their leading axes;
+        `make_layer(local inputs)` returns the `_run_layers` layer function) with the whole stacked
+        weights, cast to device-varying before the scan. A weight's gradient is then a per-device
+        partial sum through the backward loop, summed over the devices once where the region ends:
+        the same gradient as the replicated form, whose loop all-reduces every layer's gradients in
+        every trip, with no collective inside the loop. Returns the last carry."""
+        def local(params, carry, inputs):
+            params = jax.lax.pcast(params, ("data",), to="varying")
+            return self._run_layers(make_layer(inputs), carry, params=params)[0]
+
+        rows = P("data")
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), rows, rows), out_specs=rows)(
+            self.layers.arrays(), carry, inputs)
+
+    def _run_grouped_layers(self, xp, xr, rope_p, rope_r, biases, *, moves=None):
+        """The grouped blocks over prompts xp and responses xr (grid [N, R, D] or, with `moves` =
+        (index, inverse, N, R) of `packed_grouped_hidden_states`, packed [S, C, D]); returns the
+        last block's (xp, xr). Per device (`_layers_by_device`) where the mesh allows it."""
+        cfg, dtype = self.config, self.dtype
+        index, inverse, N, R = moves if moves is not None else (None, None, None, None)
+
+        def grouped_layer(rope_p, rope_r, biases, index, inverse, rows, constrain):
+            grid = packed = None
+            if index is not None:
+                grid = lambda t: constrain(scatter_packed(t, index, rows, R, inverse))  # noqa: E731
+                packed = lambda t: constrain(gather_packed(t, index, inverse))  # noqa: E731
+
+            def layer(carry, p, _):
+                xp, xr = _grouped_decoder_layer(cfg, dtype, p, *carry, rope_p, rope_r, biases, grid=grid, packed=packed)
+                return (constrain(xp), constrain(xr)), None
+            return layer
+
+        inputs = (rope_p, rope_r, biases, index, inverse)
+        if self._per_device(xp.shape[0], xr.shape[0]) and (index is None or index.shape[0] == self.mesh.shape["data"]):
+            rows = None if N is None else N // self.mesh.shape["data"]
+            return self._layers_by_device(lambda local: grouped_layer(*local, rows, lambda t: t), (xp, xr), inputs)
+        return self._run_layers(grouped_layer(*inputs, N, self.constrain_batch), (xp, xr))[0]
 
     def _final_norm(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
