@@ -33,12 +33,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from stare_jax import config as config_lib
+from stare_jax import workdir as workdir_lib
 
 log = logging.getLogger(__name__)
 
-ITEMS = ("state", "data", "meta")
+ITEMS = workdir_lib.CHECKPOINT_ITEMS
 FAULT_KILL_DURING_SAVE = "STARE_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL right after save(step) starts
-_COMMIT = "commit_success.txt"
 # Old steps are deleted by an atomic rename into this folder, which is then emptied: a kill during
 # the deletion leaves a half-deleted tree there (removed on the next start), never a half-deleted
 # `<step>/` that Orbax would list as a step.
@@ -198,9 +198,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ inspection
     def is_complete(self, step: int) -> bool:
         """Whether `<step>/` and each of its items carry Orbax's commit marker."""
-        root = os.path.join(self.directory, str(step))
-        return os.path.isfile(os.path.join(root, _COMMIT)) and all(
-            os.path.isfile(os.path.join(root, item, _COMMIT)) for item in ITEMS)
+        return workdir_lib.step_is_committed(self.directory, step)
 
     def steps(self) -> list[int]:
         """All step numbers Orbax lists (complete or not), ascending."""

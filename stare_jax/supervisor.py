@@ -30,10 +30,10 @@ import signal
 import subprocess
 import sys
 
+from stare_jax import workdir as workdir_lib
+
 FLAG = "--restarts"
 RECORD = "restarts.jsonl"
-_COMMIT = "commit_success.txt"  # Orbax's commit marker (as `checkpoint.Checkpointer.is_complete` reads it)
-_ITEMS = ("state", "data", "meta")
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
 
@@ -77,9 +77,7 @@ def latest_committed_step(workdir: str) -> int | None:
         names = os.listdir(root)
     except OSError:
         return None
-    steps = [int(n) for n in names if n.isdigit() and os.path.isfile(os.path.join(root, n, _COMMIT))
-             and all(os.path.isfile(os.path.join(root, n, item, _COMMIT)) for item in _ITEMS)]
-    return max(steps, default=None)
+    return max((int(n) for n in names if n.isdigit() and workdir_lib.step_is_committed(root, int(n))), default=None)
 
 
 def _die_with_parent() -> None:
@@ -124,12 +122,7 @@ def supervise(child_argv: list[str], workdir: str, max_restarts: int, *, env=Non
             child = subprocess.Popen(child_argv, env=env, process_group=0, preexec_fn=_die_with_parent)
             if stop:  # a stop signal that arrived while the child was being started
                 child.send_signal(stop[0])
-            while True:
-                try:
-                    returncode = child.wait()
-                    break
-                except InterruptedError:  # pragma: no cover - PEP 475 retries wait() itself
-                    continue
+            returncode = child.wait()  # a forwarded signal's handler returns; wait() goes on (PEP 475)
             if returncode >= 0 or stop:
                 return shell_status(returncode)
             step = latest_committed_step(workdir)

@@ -16,6 +16,16 @@ import shutil
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+CHECKPOINT_ITEMS = ("state", "data", "meta")  # the items of a checkpoint step (`checkpoint.Checkpointer`)
+COMMIT_MARKER = "commit_success.txt"          # Orbax's marker of a committed step and item
+
+
+def step_is_committed(checkpoints_dir: str, step: int) -> bool:
+    """Whether `<checkpoints_dir>/<step>/` and each of its items carry Orbax's commit marker (read
+    without JAX, so that a supervising process stays light)."""
+    root = os.path.join(checkpoints_dir, str(step))
+    return os.path.isfile(os.path.join(root, COMMIT_MARKER)) and all(
+        os.path.isfile(os.path.join(root, item, COMMIT_MARKER)) for item in CHECKPOINT_ITEMS)
 
 
 class WorkdirError(ValueError):
