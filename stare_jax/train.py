@@ -33,12 +33,18 @@ def parse_workdir(argv) -> str:
     sys.exit(2)
 
 
+def config_and_workdir(argv):
+    """(the config of `--config` with its overrides, the `--workdir` value) from argv (argv[0] the
+    program); exits 2 with one line on a config error or a missing --workdir."""
+    config = config_lib.load_config_or_exit([a for a in argv if not a.startswith("--workdir")
+                                             and not _is_workdir_value(argv, a)])
+    return config, parse_workdir(argv)
+
+
 def main(argv=None) -> None:
     """Parses flags, validates the config against the devices, and runs training."""
     argv = list(sys.argv if argv is None else argv)
-    config = config_lib.load_config_or_exit([a for a in argv if not a.startswith("--workdir")
-                                             and not _is_workdir_value(argv, a)])
-    workdir = parse_workdir(argv)
+    config, workdir = config_and_workdir(argv)
     from stare_jax import workdir as workdir_lib
 
     try:
@@ -118,9 +124,7 @@ def cli(argv=None) -> None:
         allocator.reexec_if_wanted()  # oneTBB's malloc on a CPU host (STARE_JAX_MALLOC; allocator module)
         main([argv[0], *rest])
         return
-    config = config_lib.load_config_or_exit([a for a in [argv[0], *rest] if not a.startswith("--workdir")
-                                             and not _is_workdir_value(rest, a)])
-    workdir = parse_workdir(rest)
+    config, workdir = config_and_workdir([argv[0], *rest])
     if config.distributed.num_processes > 1 or config.distributed.coordinator_address:
         print(f"config error: {supervisor.FLAG}: restarts one process; a training on several processes must restart "
               f"all of them together (the cluster scheduler's restart policy); allowed: {supervisor.FLAG} 0 here",
