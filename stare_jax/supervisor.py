@@ -8,9 +8,12 @@ With `--restarts N` the command does that itself: it runs the training as a chil
 own process group) and waits; when the child is *killed by a signal* and no stop was asked for,
 it appends one JSON line to `WORKDIR/restarts.jsonl` (time, the signal, the checkpoint step the
 next attempt resumes from, the restart's number), prints one line, and starts the same command
-again, at most N times. Everything else ends the command with the child's own status: success,
-a bad input (2), a data error (1), a stop by SIGTERM/SIGINT (143/130, after the child saved its
-checkpoint). SIGTERM and SIGINT sent to the supervising process are passed on to the child once
+again. N bounds the restarts *in a row without progress*: a death after the attempt committed a
+newer checkpoint than the one it started from begins the count again, so a long run that loses a
+process now and then keeps going, while one that dies before its next checkpoint every time (a
+crash loop) gives up after N attempts. Everything else ends the command with the child's own
+status: success, a bad input (2), a data error (1), a stop by SIGTERM/SIGINT (143/130, after the
+child saved its checkpoint). SIGTERM and SIGINT sent to the supervising process are passed on to the child once
 each (Ctrl-C in a terminal reaches only the supervisor, so the child sees one signal per press,
 as without `--restarts`); once one has arrived, nothing is restarted. If the supervisor itself is
 killed, the kernel kills the child too (`PR_SET_PDEATHSIG`), so no training outlives its command.
@@ -104,9 +107,9 @@ def shell_status(returncode: int) -> int:
 
 
 def supervise(child_argv: list[str], workdir: str, max_restarts: int, *, env=None) -> int:
-    """Runs `child_argv` until it ends other than by a signal, restarting it at most `max_restarts`
-    times after a death by signal (each recorded in WORKDIR/restarts.jsonl); returns the shell status
-    the command should exit with."""
+    """Runs `child_argv` until it ends other than by a signal, restarting it after a death by signal
+    (each restart recorded in WORKDIR/restarts.jsonl) at most `max_restarts` times in a row without a
+    newer committed checkpoint; returns the shell status the command should exit with."""
     stop: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -117,8 +120,9 @@ def supervise(child_argv: list[str], workdir: str, max_restarts: int, *, env=Non
 
     previous = {s: signal.signal(s, forward) for s in _STOP_SIGNALS}
     try:
-        restarts = 0
+        restarts = in_a_row = 0
         while True:
+            started_from = latest_committed_step(workdir)
             child = subprocess.Popen(child_argv, env=env, process_group=0, preexec_fn=_die_with_parent)
             if stop:  # a stop signal that arrived while the child was being started
                 child.send_signal(stop[0])
@@ -127,21 +131,24 @@ def supervise(child_argv: list[str], workdir: str, max_restarts: int, *, env=Non
                 return shell_status(returncode)
             step = latest_committed_step(workdir)
             cause = _describe(returncode)
-            if restarts >= max_restarts:
+            if step is not None and (started_from is None or step > started_from):  # a newer checkpoint: progress
+                in_a_row = 0
+            if in_a_row >= max_restarts:
                 newest = "no checkpoint yet" if step is None else f"the newest checkpoint is step {step}"
-                print(f"training process {child.pid} died of {cause} after {restarts} restart(s): giving up; "
-                      f"{newest}; rerun the command to resume", file=sys.stderr, flush=True)
+                print(f"training process {child.pid} died of {cause} after {in_a_row} restart(s) in a row without "
+                      f"a new checkpoint: giving up; {newest}; rerun the command to resume",
+                      file=sys.stderr, flush=True)
                 return shell_status(returncode)
-            restarts += 1
+            restarts, in_a_row = restarts + 1, in_a_row + 1
             record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                       "pid": child.pid, "died_of": cause, "returncode": returncode, "resume_step": step,
-                      "restart": restarts, "max_restarts": max_restarts}
+                      "restart": restarts, "in_a_row": in_a_row, "max_restarts": max_restarts}
             os.makedirs(workdir, exist_ok=True)
             with open(os.path.join(workdir, RECORD), "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"training process {child.pid} died of {cause}; restarting, {_resume_phrase(step)} "
-                  f"(restart {restarts} of {max_restarts}, recorded in {os.path.join(workdir, RECORD)})",
-                  file=sys.stderr, flush=True)
+                  f"(restart {in_a_row} of {max_restarts} in a row without a new checkpoint, {restarts} in all; "
+                  f"recorded in {os.path.join(workdir, RECORD)})", file=sys.stderr, flush=True)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

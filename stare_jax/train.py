@@ -9,7 +9,8 @@ directory that cannot be used (a damaged config.json, weights or tokenizer file,
 architecture). SIGTERM/SIGINT
 finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md). With
 `--restarts N` a training process killed by a signal (an XLA abort, the OOM killer) is started
-again from its newest checkpoint, at most N times, each restart recorded in WORKDIR/restarts.jsonl
+again from its newest checkpoint, at most N times in a row without a new checkpoint, each restart
+recorded in WORKDIR/restarts.jsonl
 (`stare_jax.supervisor`).
 """
 

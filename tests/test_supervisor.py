@@ -1,5 +1,6 @@
 """`python -m stare_jax.train --restarts N`: a training process killed by a signal is started again
-from its newest checkpoint, at most N times, each restart recorded; nothing else is restarted.
+from its newest checkpoint, at most N times in a row without a new checkpoint, each restart
+recorded; nothing else is restarted.
 
 The policy is checked on small stand-in children (a few lines of Python that die or exit as told);
 the end-to-end test kills a real training and compares its metrics with an uninterrupted run.
@@ -19,8 +20,9 @@ from stare_jax.writers import read_jsonl
 from tests.e2e_helpers import QUICKSTART, ROOT, comparable, run_train, subprocess_env, tiny_overrides, train_cmd
 
 # A stand-in training: counts its starts in WORKDIR/starts, then behaves as the N-th entry of PLAN
-# says: "kill" (SIGKILL itself), "abort" (SIGABRT), an exit status, or "term" (wait for SIGTERM, then
-# exit 143 as the trainer does after saving).
+# says: "kill" (SIGKILL itself), "abort" (SIGABRT), "progress" (commit checkpoint step 10 * the start's
+# number, then SIGKILL itself), an exit status, or "term" (wait for SIGTERM, then exit 143 as the
+# trainer does after saving).
 CHILD = r"""
 import os, signal, sys, time
 workdir, plan = sys.argv[1], sys.argv[2].split(",")
@@ -28,6 +30,12 @@ path = os.path.join(workdir, "starts")
 n = int(open(path).read()) if os.path.exists(path) else 0
 open(path, "w").write(str(n + 1))
 what = plan[min(n, len(plan) - 1)]
+if what == "progress":
+    root = os.path.join(workdir, "checkpoints", str(10 * (n + 1)))
+    for item in ("", "state", "data", "meta"):
+        os.makedirs(os.path.join(root, item), exist_ok=True)
+        open(os.path.join(root, item, "commit_success.txt"), "w").close()
+    what = "kill"
 if what == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 if what == "abort":
@@ -89,10 +97,10 @@ def test_deaths_by_signal_are_restarted_and_recorded_until_the_child_ends(tmp_pa
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "starts").read_text() == "3"
     rows = read_jsonl(str(tmp_path / supervisor.RECORD))
-    assert [(r["died_of"], r["returncode"], r["resume_step"], r["restart"], r["max_restarts"]) for r in rows] == [
-        ("SIGKILL", -9, 2, 1, 3), ("SIGABRT", -6, 2, 2, 3)]
+    assert [(r["died_of"], r["returncode"], r["resume_step"], r["restart"], r["in_a_row"], r["max_restarts"])
+            for r in rows] == [("SIGKILL", -9, 2, 1, 1, 3), ("SIGABRT", -6, 2, 2, 2, 3)]
     err = r.stderr.strip().splitlines()
-    assert len(err) == 2 and "died of SIGKILL; restarting, from checkpoint step 2 (restart 1 of 3" in err[0]
+    assert len(err) == 2 and "died of SIGKILL; restarting, from checkpoint step 2 (restart 1 of 3 in a row" in err[0]
     assert "died of SIGABRT" in err[1]
 
 
@@ -102,7 +110,29 @@ def test_restarts_are_bounded_and_the_last_death_is_the_status(tmp_path):
     assert (tmp_path / "starts").read_text() == "3"
     assert len(read_jsonl(str(tmp_path / supervisor.RECORD))) == 2
     last = r.stderr.strip().splitlines()[-1]
-    assert "after 2 restart(s): giving up; no checkpoint yet; rerun the command to resume" in last
+    assert "after 2 restart(s) in a row without a new checkpoint: giving up; no checkpoint yet; " \
+           "rerun the command to resume" in last
+
+
+def test_a_death_after_a_new_checkpoint_starts_the_restart_count_again(tmp_path):
+    """N bounds the restarts in a row without progress: each attempt that commits a newer checkpoint
+    before it dies is restarted however many came before; the first that does not counts."""
+    _commit(str(tmp_path), 5)
+    r = _supervise(tmp_path, "progress,progress,progress,0", 1)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "starts").read_text() == "4"
+    rows = read_jsonl(str(tmp_path / supervisor.RECORD))
+    assert [(r["resume_step"], r["restart"], r["in_a_row"]) for r in rows] == [(10, 1, 1), (20, 2, 1), (30, 3, 1)]
+
+    crash_loop = tmp_path / "crash_loop"
+    crash_loop.mkdir()
+    r = _supervise(crash_loop, "progress,kill", 1)  # progress once, then a death before the next checkpoint
+    assert r.returncode == 128 + 9
+    assert (crash_loop / "starts").read_text() == "2"
+    assert [(row["resume_step"], row["in_a_row"]) for row in read_jsonl(str(crash_loop / supervisor.RECORD))] == [
+        (10, 1)]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "after 1 restart(s) in a row without a new checkpoint: giving up; the newest checkpoint is step 10" in last
 
 
 @pytest.mark.parametrize("status", [1, 2, 3])
