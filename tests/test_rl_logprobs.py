@@ -159,7 +159,8 @@ def test_bfloat16_compute_matches_float32_within_bf16_rounding(chunk):
 
 
 def _while_bodies(hlo: str) -> dict:
-    """name -> text of every computation that some while loop of `hlo` uses as its body."""
+    """name -> text of every computation that some while loop of `hlo` uses as its body, followed by
+    the text of the fused computations it calls (`calls=`), so an op fused away is still found."""
     bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
     comps, name, lines = {}, None, []
     for line in hlo.splitlines():
@@ -171,7 +172,16 @@ def _while_bodies(hlo: str) -> dict:
             name = None
         elif name is not None:
             lines.append(line)
-    return {b: comps.get(b, "") for b in bodies}
+
+    def with_called(name, seen):
+        text = comps.get(name, "")
+        for called in re.findall(r"\bcalls=%?([\w.\-]+)", text):
+            if called not in seen:
+                seen.add(called)
+                text += "\n" + with_called(called, seen)
+        return text
+
+    return {b: with_called(b, {b}) for b in bodies}
 
 
 @pytest.mark.parametrize("chunk", [16, 97 - 40])

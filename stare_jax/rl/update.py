@@ -82,9 +82,15 @@ from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_s
 # XLA:CPU hands matmuls to XNNPACK/YNNPACK fusions by default. Those are the faster kernels for
 # the sampler's skinny decode matmuls ([rows, D] @ [D, F]), but for the update step's large ones
 # its Eigen matmuls measured ~20% faster end to end (scripts/bench_step.py), so the update step
-# alone is compiled without them. Only the CPU backend reads these options (and the dry run, which
-# uses CPU compiles to stand in for TPU/GPU ones, leaves them out).
-CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": ""}
+# alone is compiled without them. Without them XLA rewrites every reduction longer than 32 into a
+# windowed tree reduction and a second pass (for the rounding of long float sums); the update's
+# long sums are matmuls (`decoder.column_sum`) or vectorised row sums, and without the rewrite its
+# row maxima and sums ran 1.6-9x faster (a [6,144, 1,024] maximum 0.59 against 5.2 ms) and the
+# update 1.02-1.03x (docs/performance.md, "XLA's tree reductions off in the update"). Only the CPU
+# backend reads these options (and the dry run, which uses CPU compiles to stand in for TPU/GPU
+# ones, leaves them out).
+CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": "",
+                               "xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
 
