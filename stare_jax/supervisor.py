@@ -13,8 +13,8 @@ newer checkpoint than the one it started from begins the count again, so a long 
 process now and then keeps going, while one that dies before its next checkpoint every time (a
 crash loop) gives up after N attempts. Everything else ends the command with the child's own
 status: success, a bad input (2), a data error (1), a stop by SIGTERM/SIGINT (143/130, after the
-child saved its checkpoint). SIGTERM and SIGINT sent to the supervising process are passed on to the child once
-each (Ctrl-C in a terminal reaches only the supervisor, so the child sees one signal per press,
+child saved its checkpoint). SIGTERM and SIGINT sent to the supervising process are passed on to
+the child once each (Ctrl-C in a terminal reaches only the supervisor, so the child sees one signal per press,
 as without `--restarts`); once one has arrived, nothing is restarted. If the supervisor itself is
 killed, the kernel kills the child too (`PR_SET_PDEATHSIG`), so no training outlives its command.
 

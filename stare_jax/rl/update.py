@@ -86,9 +86,9 @@ from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_s
 # windowed tree reduction and a second pass (for the rounding of long float sums); the update's
 # long sums are matmuls (`decoder.column_sum`) or vectorised row sums, and without the rewrite its
 # row maxima and sums ran 2-8x faster in isolation (a [6,144, 1,024] row maximum 0.34-0.65 against
-# 2.7 ms) and the update 1.02-1.03x (docs/performance.md, "XLA's tree reductions off in the update"). Only the CPU
-# backend reads these options (and the dry run, which uses CPU compiles to stand in for TPU/GPU
-# ones, leaves them out).
+# 2.7 ms) and the update 1.02-1.03x (docs/performance.md, "XLA's tree reductions off in the
+# update"). Only the CPU backend reads these options (and the dry run, which uses CPU compiles to
+# stand in for TPU/GPU ones, leaves them out).
 CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": "",
                                "xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
