@@ -12,7 +12,7 @@ from flax import nnx
 
 from stare_jax import parallel
 from stare_jax.models import Decoder, ModelConfig
-from stare_jax.rl import create_train_state, make_update_step
+from stare_jax.rl import create_train_state, logprobs, make_update_step
 from stare_jax.rl.diagnostics import QUADRANTS, quadrant_diagnostics, quadrant_masks
 from stare_jax.rl.logprobs import naive_token_stats, token_stats
 from stare_jax.rl.stare import stare_weights
@@ -120,17 +120,15 @@ def test_compiled_update_step_never_holds_full_vocabulary_logits():
 def test_cpu_moments_run_as_single_output_reductions_with_the_one_reduce_sums(with_pi2):
     """XLA:CPU does not vectorise a multi-output reduce, so on the CPU the chunk's moments are one
     reduce per sum; the sums equal the one variadic reduce's to float32 rounding."""
-    from stare_jax.rl import logprobs
-
     z = 4.0 * jax.random.normal(jax.random.key(3), (64, 384), jnp.float32)
     m = jnp.max(z, axis=1)
-    cpu = jax.jit(lambda z, m: logprobs._moments(z, m, with_pi2))
+    cpu = jax.jit(lambda z, m: logprobs._moments(z, m, with_pi2)).lower(z, m).compile()
     one = jax.jit(lambda z, m: logprobs._moments_one_reduce(z, m, with_pi2))(z, m)
     got = cpu(z, m)
     assert len(got) == len(one) == (4 if with_pi2 else 2)
     for a, b in zip(got, one):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=0)
-    hlo = cpu.lower(z, m).compile().as_text()
+    hlo = cpu.as_text()
     roots = re.findall(r"ROOT %\S+ = (\([^)]*\)|\S+) reduce\(", hlo)
     assert len(roots) >= len(got), roots  # each sum its own reduce ...
     assert not [r for r in roots if r.startswith("(")], roots  # ... none with several outputs
