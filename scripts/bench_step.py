@@ -329,6 +329,17 @@ def default_vocab_chunk(real_model: bool) -> int | None:
     return 1024 if real_model and allocator.runs_on_cpu(os.environ) else None
 
 
+REAL_KEEP_LOGITS_MB = 2048
+
+
+def default_keep_logits_mb(real_model: bool) -> int:
+    """stare-jax's `model.vocab_keep_logits_mb` in the benchmarks (bench_step.py, bench_update.py)
+    unless given: `REAL_KEEP_LOGITS_MB` for the real model, whose update then keeps the vocabulary
+    pass's logits (1.2 GB a device on a CPU host) instead of recomputing them in its backward (1.05x
+    the update on the Zen 4 host: docs/performance.md); 0 (the config default) otherwise."""
+    return REAL_KEEP_LOGITS_MB if real_model else 0
+
+
 PAIRED_CACHE_SHARE = 0.8
 
 
@@ -405,6 +416,10 @@ def main() -> None:
                     help="stare-jax: model.vocab_chunk (default 1024 with --model on a CPU host, where "
                          "1,024-column chunks stay in cache: 1.16x the 8,192 default's update in full steps; "
                          "otherwise the config default)")
+    ap.add_argument("--keep-logits-mb", type=int, default=None,
+                    help="stare-jax: model.vocab_keep_logits_mb, the MiB a device may hold of the vocabulary "
+                         f"pass's logits for its backward (default {REAL_KEEP_LOGITS_MB} with --model, else 0: "
+                         "recomputed)")
     ap.add_argument("--rollout-devices", type=int, default=0,
                     help="stare-jax: mesh.rollout_devices, the devices its rollouts decode on (0: the update's "
                          "mesh; 1: one device with every core inside each matmul, each weight read once a step)")
@@ -467,6 +482,10 @@ def main() -> None:
         args.vocab_chunk = default_vocab_chunk(bool(args.model))
     if args.vocab_chunk is not None and args.vocab_chunk < 1:
         ap.error("--vocab-chunk must be >= 1")
+    if args.keep_logits_mb is None:
+        args.keep_logits_mb = default_keep_logits_mb(bool(args.model))
+    if args.keep_logits_mb < 0:
+        ap.error("--keep-logits-mb must be >= 0")
     if args.pack_tokens < 0:
         ap.error("--pack-tokens must be >= 0")
     if args.rollout_devices < 0:
@@ -501,7 +520,7 @@ def main() -> None:
                  dict(workload, loss="stare", paired_grpo=args.grpo, paired_setting=paired_setting, slots=args.slots,
                       compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       pack_buckets=args.pack_buckets, remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
-                      rollout_devices=args.rollout_devices))]
+                      keep_logits_mb=args.keep_logits_mb, rollout_devices=args.rollout_devices))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -553,7 +572,8 @@ def main() -> None:
                                             for n, wk in zip([w.name for w in workers], workers)},
                       slots=args.slots, compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       pack_buckets=args.pack_buckets, remat_saves=args.remat_saves,
-                      vocab_chunk=args.vocab_chunk, rollout_devices=args.rollout_devices)
+                      vocab_chunk=args.vocab_chunk, vocab_keep_logits_mb=args.keep_logits_mb,
+                      rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else common.synthetic_workload_name(args),
                   steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,
                   matmul_precision=args.matmul_precision,

@@ -12,8 +12,9 @@ setting runs under `jax.profiler.trace` and the printed summary adds each device
 op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times (on a GPU: the
 device's op events, with XLA's CUDA graphs turned off for the run so that they show). `--cpu-devices 1`
 runs every setting on a single JAX CPU device (default: one per core, the rows data-parallel). The
-vocabulary chunk is bench_step.py's (`--vocab-chunk`; 1,024 columns for the real model on a CPU host),
-so the two scripts time the same update; each output line names it (`vocab_chunk`).
+vocabulary chunk and the bound on kept logits are bench_step.py's (`--vocab-chunk`, 1,024 columns for
+the real model on a CPU host; `--keep-logits-mb`, 2,048 MiB for the real model), so the two scripts
+time the same update; each output line names them (`vocab_chunk`, `vocab_keep_logits_mb`).
 
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
@@ -77,6 +78,9 @@ def main() -> None:
     ap.add_argument("--vocab-chunk", type=int, default=None,
                     help="model.vocab_chunk under every setting that does not set it (default as bench_step.py: "
                          "1024 for the real model on a CPU host, else the config default)")
+    ap.add_argument("--keep-logits-mb", type=int, default=None,
+                    help="model.vocab_keep_logits_mb under every setting that does not set it (default as "
+                         "bench_step.py: 2048 for the real model, else 0)")
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="mesh.cpu_devices: JAX CPU devices the host is split into (0: one per core; 1: a "
                          "single device with every core inside each op)")
@@ -85,6 +89,8 @@ def main() -> None:
         ap.error("--reps must be >= 1")
     if args.vocab_chunk is not None and args.vocab_chunk < 1:
         ap.error("--vocab-chunk must be >= 1")
+    if args.keep_logits_mb is not None and args.keep_logits_mb < 0:
+        ap.error("--keep-logits-mb must be >= 0")
     real = args.workload == "real"
     if args.pack_tokens is None:
         args.pack_tokens = 1024 if real else 0
@@ -118,7 +124,10 @@ def main() -> None:
 
     if args.vocab_chunk is None:
         args.vocab_chunk = bench_step.default_vocab_chunk(real)
+    if args.keep_logits_mb is None:
+        args.keep_logits_mb = bench_step.default_keep_logits_mb(real)
     workload.update(loss="stare", pack_tokens=args.pack_tokens, vocab_chunk=args.vocab_chunk,
+                    keep_logits_mb=args.keep_logits_mb,
                     cpu_devices=args.cpu_devices or cpu_devices_per_core(workload["num_prompts"]))
     base = ours_peer.bench_config(workload)
     distributed.initialize(base)
@@ -191,6 +200,7 @@ def main() -> None:
                   # smoke update's (compilation included) is ~1e-4, which 3 decimals made 0.0
                   "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
+                  "vocab_keep_logits_mb": config.model.vocab_keep_logits_mb,
                   "loss": float(out["loss"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
                   "devices": jax.device_count(), "malloc": allocator.name()}

@@ -47,12 +47,12 @@ TODELETE = "todelete"
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
 # compiled programs are cached, the float rounding of computations: rematerialisation, the
-# vocabulary chunk, packing, the decode layers' layout and the static batch's compaction).
+# vocabulary chunk and whether its logits are kept, packing, the decode layers' layout and the static batch's compaction).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
-                     "model.remat", "model.remat_saves", "model.vocab_chunk",
+                     "model.remat", "model.remat_saves", "model.vocab_chunk", "model.vocab_keep_logits_mb",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
                      "rollout.compact_min_rows", "model.matmul_precision")
 
@@ -71,7 +71,9 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               # the precision of float32 products: "default" is each backend's own, as before
               "model.matmul_precision": "default",
               # the packed capacities' buckets (issue 20): the multiples of ppo.pack_tokens of before
-              "ppo.pack_buckets": "linear"}
+              "ppo.pack_buckets": "linear",
+              # kept vocabulary-pass logits (issue 20): 0 recomputes them in the backward, as before
+              "model.vocab_keep_logits_mb": 0}
 
 
 DIGEST_ALGORITHM = "u32-wsum-mix-v1"

@@ -73,6 +73,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.vocab_chunk = 8192           # vocabulary columns per step of the log-softmax / entropy pass (1024:
                                          #   faster on fixed CPU batches, not in the full real-model step;
                                          #   docs/performance.md)
+    c.model.vocab_keep_logits_mb = 0     # keep that pass's float32 logits for its backward (one [tokens, D] x
+                                         #   [D, V] product fewer) when they take at most this many MiB a
+                                         #   device; 0: recompute them there
     c.model.embedded = ml_collections.ConfigDict(dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
 
@@ -299,6 +302,7 @@ SCHEMA: dict[str, Field] = {
     "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL,
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
+    "model.vocab_keep_logits_mb": _int(0),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

@@ -538,6 +538,9 @@ def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_p
     assert out["mfu"] == float(f"{flops / out['times_s'][0] / (out['matmul_peak_gflops'] * 1e9):.3g}")
     # without --vocab-chunk both scripts use the same chunk: 1,024 columns for the real model on a CPU host
     assert bench_step.default_vocab_chunk(True) == 1024 and bench_step.default_vocab_chunk(False) is None
+    # and the same bound on kept logits: the real model's update keeps them, the synthetic ones recompute
+    assert out["vocab_keep_logits_mb"] == 0
+    assert bench_step.default_keep_logits_mb(True) == 2048 and bench_step.default_keep_logits_mb(False) == 0
 
 
 def test_bench_workers_build_the_policy_their_config_asks_for(tiny_checkpoints):

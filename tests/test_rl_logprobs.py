@@ -218,3 +218,69 @@ def test_data_parallel_dw_partial_sums_match_and_leave_the_loop_free_of_collecti
 
     assert loop_collectives(None) > 0  # the replicated accumulation all-reduces inside the loop
     assert loop_collectives(partials) == 0
+
+
+@pytest.mark.parametrize("chunk", [16, 49])
+def test_kept_logits_give_the_recomputed_gradients_with_one_product_fewer(chunk):
+    """`keep_logits_mb` keeps each chunk's logits for the backward when they fit the bound
+    (`kept_logits_mib`): the backward then has one [M, D] x [D, C] product fewer, and the values and
+    gradients are the recomputing pass's (to float32 rounding: XLA may fuse the two products
+    differently). Just below the bound nothing is kept."""
+    V = 97  # prime: the last chunk overlaps an earlier one, whose columns the kept logits mask
+    k = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(k[0], (3, 7, 8)) * 1.5
+    w = jax.random.normal(k[1], (8, V))
+    t = jax.random.randint(k[2], (3, 7), 0, V)
+    need = logprobs.kept_logits_mib(3, 7, V, chunk)
+    assert need == 3 * 7 * (-(-V // chunk) * chunk) * 4 / 2**20
+
+    def run(mb):
+        def objective(h, w):
+            s = token_stats(h, w, t, chunk_size=chunk, temperature=0.7, keep_logits_mb=mb)
+            return jnp.sum(0.3 * s.log_probs - 0.7 * s.entropy), s
+        fn = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))
+        return fn(h, w), fn.lower(h, w).as_text().count("stablehlo.dot_general")
+
+    ((_, stats0), grads0), dots0 = run(0)
+    ((_, stats_kept), grads_kept), dots_kept = run(need)
+    _, dots_below = run(need * 0.999)
+    assert dots_kept == dots0 - 1 and dots_below == dots0
+    for a, b in zip(stats0[:2], stats_kept[:2]):  # log-probs and entropy (Q is not asked for)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    want = jax.grad(lambda h, w: jnp.sum(0.3 * naive_token_stats(h @ w, t, temperature=0.7).log_probs
+                                         - 0.7 * naive_token_stats(h @ w, t, temperature=0.7).entropy), (0, 1))(h, w)
+    for a, b, c in zip(grads_kept, grads0, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=0, atol=1e-5)
+
+
+def test_kept_logits_bound_counts_a_device_s_rows_and_reaches_the_update_step():
+    """The bound is per device (the rows of a data-parallel mesh split the logits); the update step
+    takes it from `model.vocab_keep_logits_mb` (its compiled backward loses the recomputing
+    product) and gives the same metrics and parameters to float32 rounding; a negative bound is
+    refused."""
+    from stare_jax.rl import RLSettings
+    from tests.test_rl_update import fresh_state, make_batch, make_config, update_once
+
+    mesh = parallel.make_mesh(data=2, devices=jax.devices()[:2])
+    partials = parallel.partial_sum_sharding(mesh)
+    assert logprobs.kept_logits_mib(4, 10, 100, 16, partials) == 4 * 10 * 112 * 4 / 2 / 2**20
+    assert logprobs.kept_logits_mib(3, 10, 100, 16, partials) == 3 * 10 * 112 * 4 / 2**20  # 3 rows: not split
+
+    batch = make_batch()
+    dots, metrics, params = {}, {}, {}
+    for mb in (0, 1):  # 8 x 6 tokens x 64 columns of float32 split over 2 devices: well under 1 MiB
+        config = make_config(**{"model.vocab_keep_logits_mb": mb})
+        ts = fresh_state(config, mesh)
+        lowered = make_update_step(config, mesh, ts).lower(nnx.state(ts), parallel.shard_batch(batch, mesh),
+                                                            jax.random.key(0))
+        dots[mb] = lowered.as_text().count("stablehlo.dot_general")
+        _, metrics[mb], params[mb] = update_once(config, mesh, batch)
+    assert dots[1] < dots[0]
+    assert metrics[0].keys() == metrics[1].keys()
+    for key in metrics[0]:
+        np.testing.assert_allclose(metrics[1][key], metrics[0][key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree_util.tree_leaves(params[0]), jax.tree_util.tree_leaves(params[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="vocab_keep_logits_mb"):
+        RLSettings.from_config(make_config(**{"model.vocab_keep_logits_mb": -1}))

@@ -67,6 +67,7 @@ def bench_config(workload: dict):
     c.ppo.pack_buckets = w.get("pack_buckets", "linear")
     if w.get("vocab_chunk"):  # None: the config default
         c.model.vocab_chunk = w["vocab_chunk"]
+    c.model.vocab_keep_logits_mb = w.get("keep_logits_mb", 0)  # 0: the backward recomputes the logits
     c.reward.num_workers = 1
     c.optim.lr = w["learning_rate"]
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32

@@ -24,7 +24,9 @@ logits, forms dL/dz from the closed forms of d log pi_k / dz and dH / dz in one 
 multiplies it into dh and dW_c. Only per-position statistics are kept between the passes, so the
 extra memory is O(N T C), not O(N T V), and nothing is differentiated through the scan's carries. A
 vocabulary of at most C columns is one chunk, computed without a loop; its logits are kept for the
-backward pass instead of being recomputed.
+backward pass instead of being recomputed. With `keep_logits_mb` every chunk's logits are kept too
+when they fit that bound (O(N T V) float32 memory for one [N T, D] x [D, V] product fewer: the
+backward reads them instead of recomputing them; the same values, so the same gradients).
 
 A vocabulary that C does not divide is handled without padding the matrix: the last chunk starts at
 V - C and ignores the columns an earlier chunk already covered.
@@ -59,7 +61,7 @@ class TokenStats(NamedTuple):
 
 def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chunk_size: int = 8192,
                 temperature: float = 1.0, compute_dtype=None, with_pi2: bool = False,
-                partials: NamedSharding | None = None) -> TokenStats:
+                partials: NamedSharding | None = None, keep_logits_mb: float = 0) -> TokenStats:
     """log pi(targets), entropy H and optionally Q = sum_j pi_j^2 (s_j - H), all [N, T] float32.
 
     hidden [N, T, D] (final-norm hidden states), w_out [D, V], targets [N, T] int. The logits are
@@ -68,13 +70,26 @@ def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chun
     differentiable w.r.t. hidden and w_out (by the hand-written backward, see `_stats_bwd`); Q is not.
     `partials` (`parallel.partial_sum_sharding`): accumulate dW as one partial sum per data-parallel
     device, reduced once after the backward loop (hidden's leading axis split over those devices).
+    `keep_logits_mb`: keep every chunk's float32 logits for the backward pass instead of recomputing
+    them there (one [N T, D] x [D, V] product fewer) when they take at most this many MiB a device
+    (`kept_logits_mib`); 0 never keeps them.
     """
     V = w_out.shape[1]
+    C = int(min(chunk_size, V))
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(hidden.dtype)
-    spec = _Spec(chunk=int(min(chunk_size, V)), inv_temp=1.0 / float(temperature), dtype=dtype.name,
-                 with_pi2=bool(with_pi2), partials=partials)
+    keep = C < V and 0 < kept_logits_mib(hidden.shape[0], hidden.shape[1], V, C, partials) <= keep_logits_mb
+    spec = _Spec(chunk=C, inv_temp=1.0 / float(temperature), dtype=dtype.name,
+                 with_pi2=bool(with_pi2), partials=partials, keep_logits=keep)
     log_probs, entropy, pi2_dev = _token_stats(spec, hidden, w_out, targets.astype(jnp.int32))
     return TokenStats(log_probs=log_probs, entropy=entropy, pi2_dev=pi2_dev if with_pi2 else None)
+
+
+def kept_logits_mib(n: int, t: int, vocab: int, chunk: int, partials: NamedSharding | None = None) -> float:
+    """MiB a device holds when `token_stats` keeps the logits of hidden [n, t, D]: n t ceil(V/C) C
+    float32 values, over the data-parallel devices of `partials` when they split n evenly."""
+    shards = 1 if partials is None else int(partials.mesh.shape["data"])
+    shards = shards if n % shards == 0 else 1
+    return n * t * (-(-vocab // chunk) * chunk) * 4 / shards / 2**20
 
 
 class _Spec(NamedTuple):
@@ -85,6 +100,7 @@ class _Spec(NamedTuple):
     dtype: str
     with_pi2: bool
     partials: Optional[NamedSharding] = None
+    keep_logits: bool = False
 
 
 def _logits(spec: _Spec, h2: jax.Array, w_c: jax.Array) -> jax.Array:
@@ -146,7 +162,8 @@ def _moments(z: jax.Array, m: jax.Array, with_pi2: bool) -> tuple:
 
 def _forward(spec: _Spec, h2: jax.Array, w: jax.Array, targets: jax.Array):
     """Row statistics (m, se, sz, zk, s2, s2z) [M] of all V logits, and the logits themselves when
-    the vocabulary is one chunk (else None)."""
+    the vocabulary is one chunk ([M, V]) or `spec.keep_logits` ([chunks, M, C], the columns an
+    earlier chunk covered set to a large negative number); else None."""
     M, V, C = h2.shape[0], w.shape[1], spec.chunk
     zeros = jnp.zeros((M,), jnp.float32)
     if C == V:
@@ -174,11 +191,11 @@ def _forward(spec: _Spec, h2: jax.Array, w: jax.Array, targets: jax.Array):
         if spec.with_pi2:
             a2 = a * a
             s2, s2z = a2 * s2 + sums[2], a2 * (s2z + shift * s2) + sums[3]
-        return (m_new, se_new, sz_new, zk_new, s2, s2z), None
+        return (m_new, se_new, sz_new, zk_new, s2, s2z), (z if spec.keep_logits else None)
 
     init = (jnp.full((M,), _NEG, jnp.float32), zeros, zeros, zeros, zeros, zeros)
-    stats, _ = jax.lax.scan(body, init, jnp.arange(-(-V // C), dtype=jnp.int32))
-    return stats, None
+    stats, kept = jax.lax.scan(body, init, jnp.arange(-(-V // C), dtype=jnp.int32))
+    return stats, kept
 
 
 def _finish(spec: _Spec, stats) -> tuple:
@@ -214,8 +231,9 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
         d log pi_k / d z_j = [j = k] - p_j        d H / d z_j = -p_j (log p_j + H)
 
     so dz_j = [j = k] g_lp - p_j (g_lp + g_H (log p_j + H)), scaled by 1/temperature; then
-    dh = dz W_c^T and dW_c = h^T dz. A one-chunk vocabulary reuses the forward's logits; otherwise
-    each chunk's logits are recomputed (the forward kept only [M] row statistics). Q has no gradient.
+    dh = dz W_c^T and dW_c = h^T dz. A one-chunk vocabulary, or `spec.keep_logits`, reuses the
+    forward's logits; otherwise each chunk's logits are recomputed (the forward kept only [M] row
+    statistics). Q has no gradient.
     """
     hidden, w_out, targets, log_z, entropy, logits = residuals
     g_lp, g_h, _ = cotangents
@@ -252,10 +270,11 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
         else:
             pin, h_blocks = (lambda x: x), h2
 
-        def body(carry, c):
+        def body(carry, xs):
             dh, dw = carry
+            c, z = xs
             w_c, col, fresh = _chunk(w_out, c, C)
-            dz = dlogits(_logits(spec, h2, w_c), col[None])
+            dz = dlogits(_logits(spec, h2, w_c) if z is None else z, col[None])
             if fresh is not None:
                 dz = jnp.where(fresh[None], dz, 0.0)
             dh_c, dw_c = grads(dz, w_c, h_blocks)
@@ -266,7 +285,7 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
 
         dw0 = pin(jnp.zeros(((S,) if S > 1 else ()) + (D, V), jnp.float32))
         (dh, dw), _ = jax.lax.scan(body, (jnp.zeros((M, D), jnp.float32), dw0),
-                                   jnp.arange(-(-V // C), dtype=jnp.int32))
+                                   (jnp.arange(-(-V // C), dtype=jnp.int32), logits))
         if S > 1:
             dw = jnp.sum(dw, axis=0)  # the one cross-device reduction
     return dh.reshape(hidden.shape).astype(hidden.dtype), dw.astype(w_out.dtype), None

@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "update.pack_tokens": 0,
     "update.pack_buckets": "linear",
     "model.vocab_chunk": 8192,
+    "model.vocab_keep_logits_mb": 0,
     "rollout.group_size": 8,
 }
 
@@ -192,6 +193,7 @@ class RLSettings:
     num_minibatches: int = 1
     grad_accum: int = 1
     vocab_chunk: int = 8192
+    vocab_keep_logits_mb: int = 0  # keep the vocabulary pass's logits for its backward up to this MiB a device
     group_size: int = 8
     share_prompt: bool = True
     pack_tokens: int = 0  # > 0: packed responses, capacity rounded up to this multiple (models.packing)
@@ -251,6 +253,7 @@ class RLSettings:
             advantage_eps=float(g("advantage.eps")),
             ppo_epochs=int(g("update.ppo_epochs")), num_minibatches=int(g("update.num_minibatches")),
             grad_accum=int(g("update.grad_accum")), vocab_chunk=int(g("model.vocab_chunk")),
+            vocab_keep_logits_mb=int(g("model.vocab_keep_logits_mb")),
             group_size=int(g("rollout.group_size")), share_prompt=bool(g("update.share_prompt")),
             pack_tokens=int(g("update.pack_tokens")),
             pack_buckets=_choice("update.pack_buckets", str(g("update.pack_buckets")), PACK_BUCKETS),
@@ -262,6 +265,9 @@ class RLSettings:
                 raise ValueError(f"{key} must be >= 1, got {value}")
         if out.pack_tokens < 0:
             raise ValueError(f"update.pack_tokens must be >= 0 (0: no packing), got {out.pack_tokens}")
+        if out.vocab_keep_logits_mb < 0:
+            raise ValueError(f"model.vocab_keep_logits_mb must be >= 0 (0: recompute the logits), "
+                             f"got {out.vocab_keep_logits_mb}")
         for key, value in (("loss.hapo_alpha", loss.hapo_alpha), ("loss.hapo_phi", loss.hapo_phi),
                            ("loss.entropy_adv_alpha", loss.entropy_adv_alpha),
                            ("loss.entropy_adv_kappa", loss.entropy_adv_kappa)):

@@ -97,7 +97,7 @@ BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log
 
 def response_token_stats(model, input_ids, attention_mask, response_len: int, *, vocab_chunk: int,
                          with_pi2: bool = False, temperature: float = 1.0, group_size: int = 1,
-                         packing: Packing | None = None) -> TokenStats:
+                         packing: Packing | None = None, keep_logits_mb: float = 0) -> TokenStats:
     """Per response token [N, R]: log pi(o_t), entropy H_t (and Q_t), from the decoder's final hidden
     states at positions P-1 .. P+R-2 and its [D, V] output matrix, chunked over the vocabulary.
 
@@ -108,7 +108,7 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
     With `packing` (static; `UpdateStep.packing` of the batch) the responses run packed
     (`Decoder.packed_grouped_hidden_states`): the decoder and the vocabulary pass see only each
     row's tokens up to its last real one, and the statistics are scattered back onto [N, R] (zeros
-    after each row's end).
+    after each row's end). `keep_logits_mb`: `logprobs.token_stats`' bound on kept logits.
     """
     N, L = input_ids.shape
     P_len = L - response_len
@@ -117,7 +117,7 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
     if packing is not None:
         return _packed_response_token_stats(model, input_ids, attention_mask, response_len, packing,
                                             vocab_chunk=vocab_chunk, with_pi2=with_pi2, temperature=temperature,
-                                            group_size=group_size)
+                                            group_size=group_size, keep_logits_mb=keep_logits_mb)
     if group_size > 1:
         prompts = functools.partial(_group_prompts, group_size=group_size, prompt_len=P_len)
         prompt_hidden, response_hidden = model.grouped_hidden_states(
@@ -129,7 +129,7 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
         h = hidden[:, P_len - 1:L - 1]
     return token_stats(h, model.output_embedding(), input_ids[:, P_len:], chunk_size=vocab_chunk,
                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
-                       partials=parallel.partial_sum_sharding(model.mesh))
+                       partials=parallel.partial_sum_sharding(model.mesh), keep_logits_mb=keep_logits_mb)
 
 
 def _group_prompts(x: jax.Array, *, group_size: int, prompt_len: int) -> jax.Array:
@@ -139,7 +139,8 @@ def _group_prompts(x: jax.Array, *, group_size: int, prompt_len: int) -> jax.Arr
 
 
 def _packed_response_token_stats(model, input_ids, attention_mask, response_len: int, packing: Packing, *,
-                                 vocab_chunk: int, with_pi2: bool, temperature: float, group_size: int) -> TokenStats:
+                                 vocab_chunk: int, with_pi2: bool, temperature: float, group_size: int,
+                                 keep_logits_mb: float) -> TokenStats:
     """`response_token_stats` on packed responses. The token at packed entry j (row r, column c) is
     predicted by the hidden state of entry j - 1 (the same row's column c - 1: kept positions are
     a prefix of each row, packed row-major) or, at c = 0, by the last prompt position of r's group."""
@@ -155,7 +156,7 @@ def _packed_response_token_stats(model, input_ids, attention_mask, response_len:
     h = model.constrain_batch(jnp.where((col == 0)[..., None], last_prompt, previous))
     stats = token_stats(h, model.output_embedding(), gather_packed(responses, index, inverse), chunk_size=vocab_chunk,
                         temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
-                        partials=parallel.partial_sum_sharding(model.mesh))
+                        partials=parallel.partial_sum_sharding(model.mesh), keep_logits_mb=keep_logits_mb)
     grid = lambda x: None if x is None else model.constrain_batch(scatter_packed(x, index, N, R, inverse))  # noqa: E731
     return TokenStats(log_probs=grid(stats.log_probs), entropy=grid(stats.entropy), pi2_dev=grid(stats.pi2_dev))
 
@@ -259,7 +260,8 @@ def single_pass_loss_and_grad(settings: RLSettings, model, controller: Controlle
     def loss_fn(p):
         m = nnx.merge(graphdef, p, rest)
         stats = response_token_stats(m, input_ids, attention_mask, R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
-                                     group_size=prompt_groups, packing=packing)
+                                     group_size=prompt_groups, packing=packing,
+                                     keep_logits_mb=settings.vocab_keep_logits_mb)
         adv, quadrants, keep = shape_batch(settings, advantages, rewards, stats.log_probs, stats.entropy, mask)
         prep = prepare_step(settings, controller, stats.log_probs, stats.entropy, stats.pi2_dev, adv, mask,
                             selection_groups=selection_groups, quadrants=quadrants, keep=keep)
@@ -377,7 +379,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         def pre(xs):
             m = nnx.merge(graphdef_m, params0, rest0)
             s = response_token_stats(m, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
-                                     group_size=shared, packing=packing)
+                                     group_size=shared, packing=packing, keep_logits_mb=settings.vocab_keep_logits_mb)
             return jax.tree_util.tree_map(jax.lax.stop_gradient, (s.log_probs, s.entropy, s.pi2_dev))
 
         lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
@@ -402,7 +404,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         def micro_loss(params, rest, d, view, j, key):
             m = nnx.merge(graphdef_m, params, rest)
             stats = response_token_stats(m, d["ids"], d["am"], R, vocab_chunk=settings.vocab_chunk, group_size=shared,
-                                         packing=packing)
+                                         packing=packing, keep_logits_mb=settings.vocab_keep_logits_mb)
             ctx = LossContext(log_probs=stats.log_probs, old_log_probs=d["old"], advantages=d["adv"], mask=d["mask"],
                               entropy=stats.entropy, token_weights=d["w"], rng=key, view=view, index=j,
                               settings=settings.loss, ref_log_probs=d.get("ref"))
