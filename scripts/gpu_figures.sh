@@ -34,8 +34,8 @@ budget=${3:-600}
 shift $(( $# < 3 ? $# : 3 ))
 names=("$@")
 py=${PYTHON:-python3}
-catalogue=" smoke peaks large_float32 large_float32_autotune0 large_bfloat16 default_float32 default_bfloat16 real_float32 real_bfloat16 \
-real_bfloat16_geometric \
+catalogue=" smoke peaks large_float32 large_float32_autotune0 large_bfloat16 default_float32 default_bfloat16 real_float32 \
+real_float32_autotune0 real_bfloat16 real_bfloat16_geometric \
 update_profile_bfloat16 update_profile_float32 update_settings recipe_bfloat16 recipe_float32 skew_float32 \
 skew_bfloat16 quickstart "
 if [[ $phase != synthetic && $phase != real && $phase != study && $phase != jobs ]]; then
@@ -105,6 +105,9 @@ named() {  # named NAME: one job of the catalogue; float32 jobs run every partic
     # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
     real_float32) job real_float32 300 "${cached[@]}" "${bench[@]}" --model smollm2 --matmul-precision float32 \
       --warmup-rounds 2 ;;
+    # the same with XLA's GEMM autotuning off (its float32 search kept the `--large` start past 125 s)
+    real_float32_autotune0) job "$1" 300 env "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0" "${cached[@]}" \
+      "${bench[@]}" --model smollm2 --matmul-precision float32 --warmup-rounds 2 ;;
     real_bfloat16) job real_bfloat16 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2 ;;
     # the same with the geometric capacity ladder (ppo.pack_buckets): at most 8 update programs, not 16
     real_bfloat16_geometric) job "$1" 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 \
