@@ -335,7 +335,7 @@ REAL_KEEP_LOGITS_MB = 2048
 def default_keep_logits_mb(real_model: bool) -> int:
     """stare-jax's `model.vocab_keep_logits_mb` in the benchmarks (bench_step.py, bench_update.py)
     unless given: `REAL_KEEP_LOGITS_MB` for the real model, whose update then keeps the vocabulary
-    pass's logits (1.2 GB a device on a CPU host) instead of recomputing them in its backward (1.05x
+    pass's logits (1.2 GB a device on a CPU host) instead of recomputing them in its backward (1.04x
     the update on the Zen 4 host: docs/performance.md); 0 (the config default) otherwise."""
     return REAL_KEEP_LOGITS_MB if real_model else 0
 

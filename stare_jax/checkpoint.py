@@ -47,7 +47,8 @@ TODELETE = "todelete"
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
 # compiled programs are cached, the float rounding of computations: rematerialisation, the
-# vocabulary chunk and whether its logits are kept, packing, the decode layers' layout and the static batch's compaction).
+# vocabulary chunk and whether its logits are kept, packing, the decode layers' layout and the
+# static batch's compaction).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",

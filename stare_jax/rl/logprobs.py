@@ -26,7 +26,8 @@ extra memory is O(N T C), not O(N T V), and nothing is differentiated through th
 vocabulary of at most C columns is one chunk, computed without a loop; its logits are kept for the
 backward pass instead of being recomputed. With `keep_logits_mb` every chunk's logits are kept too
 when they fit that bound (O(N T V) float32 memory for one [N T, D] x [D, V] product fewer: the
-backward reads them instead of recomputing them; the same values, so the same gradients).
+backward reads them instead of recomputing them; the same products, so the same gradients to
+float32 rounding: XLA may fuse the forward's and the backward's product differently).
 
 A vocabulary that C does not divide is handled without padding the matrix: the last chunk starts at
 V - C and ignores the columns an earlier chunk already covered.
