@@ -245,6 +245,9 @@ def test_kept_logits_give_the_recomputed_gradients_with_one_product_fewer(chunk)
     ((_, stats_kept), grads_kept), dots_kept = run(need)
     _, dots_below = run(need * 0.999)
     assert dots_kept == dots0 - 1 and dots_below == dots0
+    forward_only = [jax.jit(lambda h, w, mb=mb: token_stats(h, w, t, chunk_size=chunk, keep_logits_mb=mb)).lower(h, w)
+                    .as_text() for mb in (0, need)]
+    assert forward_only[0] == forward_only[1]  # nothing kept without a backward pass
     for a, b in zip(stats0[:2], stats_kept[:2]):  # log-probs and entropy (Q is not asked for)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     want = jax.grad(lambda h, w: jnp.sum(0.3 * naive_token_stats(h @ w, t, temperature=0.7).log_probs

@@ -213,7 +213,9 @@ def _finish(spec: _Spec, stats) -> tuple:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _token_stats(spec: _Spec, hidden, w_out, targets):
-    """(log pi_k, H, Q) [N, T] of `token_stats`."""
+    """(log pi_k, H, Q) [N, T] of `token_stats`. Without a backward pass (the reference model, the
+    pre-update statistics, evaluation) kept logits would be an unused scan output, which JAX drops
+    when it traces: nothing is held, whatever the bound."""
     return _token_stats_fwd(spec, hidden, w_out, targets)[0]
 
 

@@ -379,7 +379,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         def pre(xs):
             m = nnx.merge(graphdef_m, params0, rest0)
             s = response_token_stats(m, xs[0], xs[1], R, vocab_chunk=settings.vocab_chunk, with_pi2=True,
-                                     group_size=shared, packing=packing, keep_logits_mb=settings.vocab_keep_logits_mb)
+                                     group_size=shared, packing=packing)
             return jax.tree_util.tree_map(jax.lax.stop_gradient, (s.log_probs, s.entropy, s.pi2_dev))
 
         lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
