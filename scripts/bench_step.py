@@ -420,6 +420,11 @@ def main() -> None:
                     help="stare-jax: model.vocab_keep_logits_mb, the MiB a device may hold of the vocabulary "
                          f"pass's logits for its backward (default {REAL_KEEP_LOGITS_MB} with --model, else 0: "
                          "recomputed)")
+    ap.add_argument("--gpu-gemm", choices=("auto", "xla", "cublas"), default="auto",
+                    help="stare-jax: model.gpu_gemm, a GPU's kernels for the update's and the rollout's products "
+                         "(auto: with --matmul-precision float32 the update on cuBLAS, the rollout on untuned "
+                         "Triton GEMMs; xla: XLA's own choice and XLA_FLAGS; cublas: both on cuBLAS); no effect "
+                         "off a GPU")
     ap.add_argument("--rollout-devices", type=int, default=0,
                     help="stare-jax: mesh.rollout_devices, the devices its rollouts decode on (0: the update's "
                          "mesh; 1: one device with every core inside each matmul, each weight read once a step)")
@@ -520,7 +525,8 @@ def main() -> None:
                  dict(workload, loss="stare", paired_grpo=args.grpo, paired_setting=paired_setting, slots=args.slots,
                       compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       pack_buckets=args.pack_buckets, remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
-                      keep_logits_mb=args.keep_logits_mb, rollout_devices=args.rollout_devices))]
+                      keep_logits_mb=args.keep_logits_mb, rollout_devices=args.rollout_devices,
+                      gpu_gemm=args.gpu_gemm))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -576,7 +582,7 @@ def main() -> None:
                       rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else common.synthetic_workload_name(args),
                   steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,
-                  matmul_precision=args.matmul_precision,
+                  matmul_precision=args.matmul_precision, gpu_gemm=args.gpu_gemm,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),

@@ -97,21 +97,22 @@ named() {  # named NAME: one job of the catalogue; float32 jobs run every partic
     # a setup check first (both workers start, compile and step on a tiny model): a minute, not a row
     smoke) job smoke 120 "${cached[@]}" scripts/bench_step.py --peer trl --peer-python "$py" --steps 1 --smoke ;;
     peaks) job peaks 90 "$py" scripts/accelerator_figures.py peaks --out /tmp/gpu_runs/peaks.json ;;
-    # XLA's GEMM autotuner searches float32 kernels for minutes here: with it off the worker compiled
-    # in ~58 s, with it on its first step had not ended after ~125 s (H200); a cap that lets it finish
-    large_float32) job large_float32 330 "${cached[@]}" "${bench[@]}" --large --matmul-precision float32 ;;
-    # the same with XLA's GEMM autotuning off (7.74x TRL on the H200 at a105e4d; our update 2.4x TRL's)
+    # model.gpu_gemm=auto (the default since 58b9554): the update's products on cuBLAS, the rollout's on
+    # Triton GEMMs without the autotuner (before it, XLA's GEMM autotuner searched float32 kernels for
+    # minutes here: the worker's first step had not ended after ~125 s on the H200)
+    large_float32) job large_float32 150 "${cached[@]}" "${bench[@]}" --large --matmul-precision float32 ;;
+    # XLA's own kernels with its GEMM autotuning off (7.74x TRL on the H200 at a105e4d; our update 2.4x TRL's)
     large_float32_autotune0) job "$1" 150 env "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0" "${cached[@]}" \
-      "${bench[@]}" --large --matmul-precision float32 ;;
+      "${bench[@]}" --large --matmul-precision float32 --gpu-gemm xla ;;
     large_bfloat16) job large_bfloat16 150 "${cached[@]}" "${bench[@]}" --large --dtype bfloat16 ;;
     default_float32) job default_float32 150 "${cached[@]}" "${bench[@]}" --matmul-precision float32 ;;
     default_bfloat16) job default_bfloat16 150 "${cached[@]}" "${bench[@]}" --dtype bfloat16 ;;
     # two untimed rounds first: each new packed-update capacity bucket compiles once (~10 s on an H100)
     real_float32) job real_float32 300 "${cached[@]}" "${bench[@]}" --model smollm2 --matmul-precision float32 \
       --warmup-rounds 2 ;;
-    # the same with XLA's GEMM autotuning off (its float32 search kept the `--large` start past 125 s)
+    # XLA's own kernels with its GEMM autotuning off (its float32 search kept the `--large` start past 125 s)
     real_float32_autotune0) job "$1" 300 env "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0" "${cached[@]}" \
-      "${bench[@]}" --model smollm2 --matmul-precision float32 --warmup-rounds 2 ;;
+      "${bench[@]}" --model smollm2 --matmul-precision float32 --warmup-rounds 2 --gpu-gemm xla ;;
     real_bfloat16) job real_bfloat16 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 --warmup-rounds 2 ;;
     # the same with the geometric capacity ladder (ppo.pack_buckets): at most 8 update programs, not 16
     real_bfloat16_geometric) job "$1" 300 "${cached[@]}" "${bench[@]}" --model smollm2 --dtype bfloat16 \

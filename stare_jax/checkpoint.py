@@ -47,15 +47,15 @@ TODELETE = "todelete"
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
 # compiled programs are cached, the float rounding of computations: rematerialisation, the
-# vocabulary chunk and whether its logits are kept, packing, the decode layers' layout and the
-# static batch's compaction).
+# vocabulary chunk and whether its logits are kept, packing, a GPU's GEMM kernels, the decode
+# layers' layout and the static batch's compaction).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
                      "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk", "model.vocab_keep_logits_mb",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
-                     "rollout.compact_min_rows", "model.matmul_precision")
+                     "rollout.compact_min_rows", "model.matmul_precision", "model.gpu_gemm")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.

@@ -76,6 +76,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.vocab_keep_logits_mb = 0     # keep that pass's float32 logits for its backward (one [tokens, D] x
                                          #   [D, V] product fewer) when they take at most this many MiB a
                                          #   device; 0: recompute them there
+    c.model.gpu_gemm = "auto"            # a GPU's products: auto (full-float32 products: the update on cuBLAS,
+                                         #   the rollout on untuned Triton GEMMs; XLA's choice otherwise) | xla
+                                         #   (XLA's own / XLA_FLAGS) | cublas (both phases); stare_jax/gpu_gemm.py
     c.model.embedded = ml_collections.ConfigDict(dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
 
@@ -303,6 +306,7 @@ SCHEMA: dict[str, Field] = {
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.vocab_keep_logits_mb": _int(0),
+    "model.gpu_gemm": _choice("auto", "xla", "cublas"),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

@@ -248,7 +248,7 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
                           temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                           top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh, slots=config.rollout.slots,
                           num_groups=limit, decode_layout=config.rollout.decode_layout,
-                          compact_min_rows=config.rollout.compact_min_rows)
+                          compact_min_rows=config.rollout.compact_min_rows, gpu_gemm=config.model.gpu_gemm)
         host = {k: parallel.to_host(v) for k, v in {
             "input_ids": result.tokens, "attention_mask": result.attention_mask,
             "response_mask": result.response_mask, "old_log_probs": result.log_probs,
@@ -344,7 +344,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
                                   max_new_tokens=config.rollout.max_new_tokens, eos_ids=eos_ids,
                                   temperature=config.eval.temperature, top_p=config.eval.top_p, pad_id=pad_id,
                                   mesh=mesh, slots=config.eval.slots, decode_layout=config.rollout.decode_layout,
-                                  compact_min_rows=config.rollout.compact_min_rows)
+                                  compact_min_rows=config.rollout.compact_min_rows, gpu_gemm=config.model.gpu_gemm)
                 ids, mask = parallel.to_host(result.response_ids), parallel.to_host(result.response_mask)
                 own = parallel.local_slice(len(ids))
                 texts = decode_responses(tokenizer, ids[own], mask[own], eos_ids)

@@ -32,6 +32,7 @@ def _load(capsys, *overrides):
     ("--config.stare.variant=O3", "stare.variant"),
     ("--config.model.dtype=float16", "model.dtype"),
     ("--config.model.matmul_precision=highest", "model.matmul_precision"),  # JAX's alias, not ours
+    ("--config.model.gpu_gemm=triton", "model.gpu_gemm"),   # auto | xla | cublas
     ("--config.ppo.num_minibatches=3", "ppo.num_minibatches"),  # does not divide the batch
     ("--config.mesh.cpu_devices=-1", "mesh.cpu_devices"),
     ("--config.ppo.share_prompt=maybe", "ppo.share_prompt"),

@@ -72,6 +72,7 @@ def bench_config(workload: dict):
     c.optim.lr = w["learning_rate"]
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
     c.model.matmul_precision = w.get("matmul_precision", "default")  # float32 products (TF32 or not on a GPU)
+    c.model.gpu_gemm = w.get("gpu_gemm", "auto")  # a GPU's kernels per phase (stare_jax.gpu_gemm)
     c.loss.name = w["loss"]
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from stare_jax import gpu_gemm
 from stare_jax.models.packing import PACK_BUCKETS
 
 DEFAULTS: dict[str, Any] = {
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "update.pack_buckets": "linear",
     "model.vocab_chunk": 8192,
     "model.vocab_keep_logits_mb": 0,
+    "model.gpu_gemm": "auto",
     "rollout.group_size": 8,
 }
 
@@ -198,6 +200,7 @@ class RLSettings:
     share_prompt: bool = True
     pack_tokens: int = 0  # > 0: packed responses, capacity rounded up to this multiple (models.packing)
     pack_buckets: str = "linear"  # capacity buckets: multiples of pack_tokens, or its geometric ladder
+    gpu_gemm: str = "auto"  # the update's products on a GPU: auto | xla | cublas (stare_jax.gpu_gemm)
 
     @property
     def num_updates(self) -> int:
@@ -257,6 +260,7 @@ class RLSettings:
             group_size=int(g("rollout.group_size")), share_prompt=bool(g("update.share_prompt")),
             pack_tokens=int(g("update.pack_tokens")),
             pack_buckets=_choice("update.pack_buckets", str(g("update.pack_buckets")), PACK_BUCKETS),
+            gpu_gemm=_choice("model.gpu_gemm", str(g("model.gpu_gemm")), gpu_gemm.CHOICES),
         )
         for key, value in (("update.ppo_epochs", out.ppo_epochs), ("update.num_minibatches", out.num_minibatches),
                            ("update.grad_accum", out.grad_accum), ("model.vocab_chunk", out.vocab_chunk),

@@ -66,7 +66,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from stare_jax import parallel
+from stare_jax import gpu_gemm, parallel
 from stare_jax.models.decoder import positions_from_mask
 from stare_jax.models.packing import (Packing, balanced_group_order, block_count, gather_packed, packed_capacity,
                                       packed_rows_and_columns, scatter_packed)
@@ -476,11 +476,14 @@ class UpdateStep:
         self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in BATCH_NDIMS.items()}
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
-        on_cpu = cpu_options and mesh.devices.flat[0].platform == "cpu"
+        platform = mesh.devices.flat[0].platform
+        options = dict(CPU_UPDATE_COMPILER_OPTIONS) if cpu_options and platform == "cpu" else {}
+        options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
+                                                 dtype=getattr(train_state.model, "dtype", np.float32)))
+        self.compiler_options = options  # the XLA options the step compiles with (CPU / `model.gpu_gemm`)
         self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
                               out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
-                              donate_argnums=(0,) if donate else (),
-                              compiler_options=CPU_UPDATE_COMPILER_OPTIONS if on_cpu else None)
+                              donate_argnums=(0,) if donate else (), compiler_options=options or None)
 
     @staticmethod
     def _batch(batch: dict) -> dict:
@@ -551,7 +554,9 @@ def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, dona
     """Builds the jitted update step for `train_state`'s structure (real or `nnx.eval_shape`d).
 
     `config` is the ml_collections config (or an `RLSettings`); `mesh=None` uses one device.
-    `cpu_options=False` compiles without `CPU_UPDATE_COMPILER_OPTIONS` on a CPU mesh.
+    `cpu_options=False` compiles without `CPU_UPDATE_COMPILER_OPTIONS` on a CPU mesh. On a GPU the
+    products' kernels follow `model.gpu_gemm` (`stare_jax.gpu_gemm`), with the float32 products'
+    precision read when the step is built (inside the run's `precision.matmul_precision`).
     """
     settings = config if isinstance(config, RLSettings) else RLSettings.from_config(config)
     if mesh is None:

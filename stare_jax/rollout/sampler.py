@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from stare_jax import parallel
+from stare_jax import gpu_gemm as gpu_gemm_lib, parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
 from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs
@@ -98,6 +98,7 @@ class RolloutSpec:
     slots: int = 0  # 0: the grouped static sampler; S > 0: S refilled decode slots (`rollout.slots`)
     feature_major: bool = False  # decode layers feature-major (`decode` module docstring; the CPU default)
     compact_min_rows: int = 0  # static sampler: halve the decode batch down to this many rows (0: off)
+    compiler_options: tuple = ()  # (name, value) XLA options of the jitted rollout (`model.gpu_gemm`)
 
 
 def auto_segments(max_new_tokens: int) -> int:
@@ -118,7 +119,8 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
              eos_ids=(), temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
              pad_id: int | None = None, mesh: Mesh | None = None,
              decode_segments: int | None = None, slots: int = 0, stop_lengths=None,
-             num_groups: int | None = None, decode_layout: str = "auto", compact_min_rows: int = 0) -> RolloutResult:
+             num_groups: int | None = None, decode_layout: str = "auto", compact_min_rows: int = 0,
+             gpu_gemm: str = "auto") -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -154,6 +156,9 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     values gathered, their prompts' keys/values copied per row), and so on down to this many rows,
     so a batch whose responses mostly ended early stops paying for the finished rows. The same
     responses for the same key (the randomness belongs to the response); rounding may differ.
+    `gpu_gemm` (`model.gpu_gemm`): which kernels a GPU runs the rollout's products with
+    (`stare_jax.gpu_gemm`; "auto" keeps full-float32 products on Triton GEMMs without the
+    autotuner's search); nothing off a GPU.
     """
     model = getattr(policy, "model", policy)
     if not isinstance(model, Decoder):
@@ -164,13 +169,16 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     if pad_id is None:
         pad_id = model.config.pad_token_id
         pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    options = gpu_gemm_lib.compiler_options("rollout", gpu_gemm, platform=gpu_gemm_lib.platform_of(state),
+                                            dtype=model.dtype)
     spec = RolloutSpec(group_size=int(group_size), max_new_tokens=int(max_new_tokens), eos_ids=eos_ids,
                        pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
                                                                    bool(greedy)), mesh=mesh,
                        decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
                                            else decode_segments),
                        feature_major=feature_major_decode(decode_layout, state),
-                       compact_min_rows=_count(compact_min_rows, "compact_min_rows"))
+                       compact_min_rows=_count(compact_min_rows, "compact_min_rows"),
+                       compiler_options=tuple(sorted(options.items())))
     if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
         raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
                          f"{max_new_tokens} and {spec.decode_segments}")
@@ -216,13 +224,13 @@ def _compiled_rollout(graphdef, spec: RolloutSpec, with_steps: bool = False):
         if with_steps and out_shardings is not None:
             out_shardings = (out_shardings, parallel.replicated(spec.mesh))
         return jax.jit(functools.partial(grouped_rollout, graphdef, spec=spec, with_steps=with_steps),
-                       out_shardings=out_shardings)
+                       out_shardings=out_shardings, compiler_options=dict(spec.compiler_options) or None)
     from stare_jax.rollout.slots import slot_rollout
 
     if with_steps and out_shardings is not None:
         out_shardings = (out_shardings, parallel.replicated(spec.mesh))
     return jax.jit(functools.partial(slot_rollout, graphdef, spec=spec, with_steps=with_steps),
-                   out_shardings=out_shardings)
+                   out_shardings=out_shardings, compiler_options=dict(spec.compiler_options) or None)
 
 
 trace_count = 0  # times `grouped_rollout` has been traced (compiled); tests check that calls reuse it
