@@ -24,13 +24,6 @@ entry points). `STARE_JAX_MALLOC` chooses:
             or no accelerator plugin, libtpu or jax_plugins, is installed) and the library is
             there (Linux, the `tbb` package); else the system malloc
     tbb     oneTBB's malloc, or exit 2 when its library is missing
-    thp     the C library's malloc with transparent huge pages for its mapped blocks (glibc's
-            `glibc.malloc.hugetlb=1` tunable: each block is madvise(MADV_HUGEPAGE)d, so a freshly
-            mapped temporary faults in 2 MiB at a time instead of 4 KiB), or exit 2 where glibc is
-            older than 2.35 or the kernel's transparent huge pages are off. Nothing is cached, so
-            nothing depends on block sizes or a bound: on the Zen 4 host a real-model update took
-            0.5 s of kernel time and 3.2 k faults each, against oneTBB's 0.1-0.7 s when its cache
-            served the sizes and 1.3-1.5 M faults when it did not (docs/performance.md)
     system  the C library's malloc, as before
 
 Which allocator serves the process changes no result: the same programs run on the same values.
@@ -47,9 +40,7 @@ from collections.abc import Mapping
 
 ENV = "STARE_JAX_MALLOC"
 LIMIT_ENV = "STARE_JAX_MALLOC_LIMIT_GB"
-CHOICES = ("auto", "tbb", "thp", "system")
-THP_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE) on malloc's mapped blocks
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+CHOICES = ("auto", "tbb", "system")
 #: objects of at least this many bytes stay cached when freed (XLA's temporaries: hundreds of MB)
 HUGE_THRESHOLD_BYTES = 1 << 20
 _LIBRARIES = ("libtbbmalloc.so.2", "libtbbmalloc_proxy.so.2")  # the proxy needs the allocator loaded
@@ -84,57 +75,13 @@ def runs_on_cpu(environ: Mapping[str, str]) -> bool:
     return not any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_MODULES)
 
 
-def choice_of(environ: Mapping[str, str]) -> str:
-    """`environ`'s STARE_JAX_MALLOC, checked (one of `CHOICES`; "auto" when unset). Raises
-    `AllocatorError` for an unknown choice."""
+def wanted_libraries(environ: Mapping[str, str]) -> list[str] | None:
+    """The libraries to preload under `environ`'s STARE_JAX_MALLOC (module docstring), or None for
+    the system malloc. Raises `AllocatorError` for an unknown choice or a missing library."""
     choice = environ.get(ENV, "auto").strip().lower() or "auto"
     if choice not in CHOICES:
         raise AllocatorError(f"{ENV}={environ[ENV]!r}: allowed: {', '.join(CHOICES)}")
-    return choice
-
-
-def thp_unavailable() -> str | None:
-    """Why glibc's malloc cannot put its blocks on transparent huge pages here (a glibc older than
-    2.35, which ignores the tunable; the kernel's setting "[never]" or absent), or None when it can."""
-    version = (os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else "") or ""
-    parts = version.split()
-    try:
-        major, minor = (int(x) for x in parts[1].split(".")[:2]) if len(parts) == 2 and parts[0] == "glibc" else (0, 0)
-    except ValueError:
-        major, minor = 0, 0
-    if (major, minor) < (2, 35):
-        return f"needs glibc >= 2.35 (this C library: {version or 'not glibc'})"
-    try:
-        with open(THP_SETTING) as f:
-            setting = f.read().strip()
-    except OSError:
-        return f"the kernel has no transparent huge pages ({THP_SETTING} is missing)"
-    if "[never]" in setting:
-        return f"the kernel's transparent huge pages are off ({THP_SETTING}: {setting})"
-    return None
-
-
-def thp_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` with glibc's huge-page tunable added to GLIBC_TUNABLES (other tunables kept)."""
-    env = dict(environ)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
-    env["GLIBC_TUNABLES"] = ":".join([*tunables, THP_TUNABLE])
-    return env
-
-
-def thp_active(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process's glibc malloc was started with the huge-page tunable (and oneTBB's
-    proxy is not loaded in its place)."""
-    environ = os.environ if environ is None else environ
-    return THP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":") and not active()
-
-
-def wanted_libraries(environ: Mapping[str, str]) -> list[str] | None:
-    """The libraries to preload under `environ`'s STARE_JAX_MALLOC (module docstring), or None for
-    the system malloc (with or without huge pages). Raises `AllocatorError` for an unknown choice
-    or a missing library."""
-    choice = choice_of(environ)
-    if choice in ("system", "thp") or (choice == "auto" and not runs_on_cpu(environ)):
+    if choice == "system" or (choice == "auto" and not runs_on_cpu(environ)):
         return None
     libraries = tbbmalloc_libraries()
     if libraries is None and choice == "tbb":
@@ -163,9 +110,9 @@ def active() -> bool:
 
 
 def name() -> str:
-    """The malloc serving this process, as the benchmarks record it: "tbb" (oneTBB's proxy loaded),
-    "thp" (glibc's with huge pages) or "system"."""
-    return "tbb" if active() else "thp" if thp_active() else "system"
+    """The malloc serving this process, as the benchmarks record it: "tbb" (oneTBB's proxy loaded)
+    or "system"."""
+    return "tbb" if active() else "system"
 
 
 def physical_memory_bytes() -> int:
@@ -198,21 +145,13 @@ def _limit_cache(limit: int) -> None:
 
 
 def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:
-    """Re-executes this process's command line with oneTBB's malloc preloaded (or glibc's huge-page
-    tunable set, for "thp") when STARE_JAX_MALLOC wants it and it is not in place yet; in the
-    re-executed process, sets oneTBB's cache soft limit and returns (as it returns at once when
-    the system malloc is wanted). Call before anything
+    """Re-executes this process's command line with oneTBB's malloc preloaded when STARE_JAX_MALLOC
+    wants it and it is not loaded yet; in the re-executed process, sets the cache's soft limit and
+    returns (as it returns at once when the system malloc is wanted). Call before anything
     allocates much (the first lines of a CLI's main). An unusable setting exits 2 with a one-line
     message."""
     environ = os.environ if environ is None else environ
     try:
-        if choice_of(environ) == "thp":
-            reason = thp_unavailable()
-            if reason is not None:
-                raise AllocatorError(f"{ENV}=thp: {reason}")
-            if thp_active(environ) or environ.get("_STARE_JAX_MALLOC_REEXEC"):
-                return
-            _reexec(thp_env(environ))
         libraries = wanted_libraries(environ)
         limit = None if libraries is None else soft_limit_bytes(environ)
         if libraries is not None and active():
@@ -223,11 +162,7 @@ def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:
         sys.exit(2)
     if libraries is None or environ.get("_STARE_JAX_MALLOC_REEXEC"):
         return  # the second test stops a loop should the preload not take
-    _reexec(preload_env(environ, libraries))
-
-
-def _reexec(env: dict[str, str]) -> None:
-    """Replaces this process with its own command line under `env` (marked re-executed)."""
+    env = preload_env(environ, libraries)
     env["_STARE_JAX_MALLOC_REEXEC"] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
