@@ -27,6 +27,8 @@ The last line printed is one JSON object:
         and their rate over median_update_s as a fraction of the measured matmul peak in the run's
         dtype (`--dtype`; on a GPU float32 products may run as TF32, XLA's and PyTorch's default)
     participants: {name: the same per-participant medians}
+    dtype, matmul_precision, gpu_gemm: the settings of the run (`--dtype`, `--matmul-precision`,
+        `--gpu-gemm`: stare-jax's kernels for a GPU's products, `stare_jax.gpu_gemm`)
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
     steady_median_step_s / _rollout_s / _update_s, steady_update_mfu, steady_speedup, steady_steps, compiling_steps
         only when some but not all timed steps compiled a new program (a packed update's new

@@ -8,7 +8,8 @@ worker compiling past ~125 s. With Triton GEMMs off every product is a cuBLAS ca
 own choice of kernel (48-49 TFLOP/s, compiled in seconds): the float32 update ran 4.1x faster
 (0.035 against 0.144 s), while the rollout, whose thin decode products XLA fuses with their
 neighbours as Triton kernels, ran 1.37x slower on cuBLAS (0.174 against 0.127 s). In bfloat16
-cuBLAS changed nothing in the update (0.0097 against 0.0098 s) and slowed the rollout.
+cuBLAS changed nothing in the update (0.0097 s against 0.0098 s with XLA's default Triton GEMMs at
+an earlier commit) and slowed the rollout (0.091 against 0.082 s).
 
 `model.gpu_gemm`:
 
