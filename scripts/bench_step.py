@@ -109,7 +109,7 @@ sys.path.insert(0, PEERS)
 import checkpoint  # noqa: E402
 import common  # noqa: E402
 from stare_jax import allocator  # noqa: E402
-from stare_jax.config import MATMUL_PRECISIONS  # noqa: E402
+from stare_jax.config import GPU_GEMM_CHOICES, MATMUL_PRECISIONS  # noqa: E402
 
 WORKER_TIMEOUT_S = 1800.0
 
@@ -422,7 +422,7 @@ def main() -> None:
                     help="stare-jax: model.vocab_keep_logits_mb, the MiB a device may hold of the vocabulary "
                          f"pass's logits for its backward (default {REAL_KEEP_LOGITS_MB} with --model, else 0: "
                          "recomputed)")
-    ap.add_argument("--gpu-gemm", choices=("auto", "xla", "cublas"), default="auto",
+    ap.add_argument("--gpu-gemm", choices=GPU_GEMM_CHOICES, default="auto",
                     help="stare-jax: model.gpu_gemm, a GPU's kernels for the update's and the rollout's products "
                          "(auto: with --matmul-precision float32 the update on cuBLAS, the rollout on untuned "
                          "Triton GEMMs; xla: XLA's own choice and XLA_FLAGS; cublas: both on cuBLAS); no effect "

@@ -22,6 +22,8 @@ QUADRANT_NAMES = ("PHR", "PLR", "NLR", "NHR")  # polarity (positive/negative) x 
 DATASETS = ("countdown", "arith", "math")
 #: model.matmul_precision: the backend's own precision of float32 products, full float32, or TF32
 MATMUL_PRECISIONS = ("default", "float32", "tensorfloat32")
+#: model.gpu_gemm: which kernels a GPU runs each phase's products with (stare_jax/gpu_gemm.py)
+GPU_GEMM_CHOICES = ("auto", "xla", "cublas")
 # The task-specific `data.*` keys each data.name reads; a key in no row is common to all tasks. A
 # task-specific key that the chosen data.name does not read must keep its default (validate), so
 # that a value set for another task is refused, not silently ignored. A new task adds one row.
@@ -306,7 +308,7 @@ SCHEMA: dict[str, Field] = {
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.vocab_keep_logits_mb": _int(0),
-    "model.gpu_gemm": _choice("auto", "xla", "cublas"),
+    "model.gpu_gemm": _choice(*GPU_GEMM_CHOICES),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

@@ -33,7 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-CHOICES = ("auto", "xla", "cublas")
+from stare_jax.config import GPU_GEMM_CHOICES as CHOICES
+
 PHASES = ("update", "rollout")
 
 #: every product a cuBLAS call, with cuBLAS's heuristic kernel (no XLA autotuning), as PyTorch's are
@@ -69,12 +70,3 @@ def compiler_options(phase: str, choice: str, *, platform: str, dtype,
     if np.dtype(dtype) != np.float32 or not full_float32:
         return {}
     return dict(CUBLAS if phase == "update" else UNTUNED_TRITON)
-
-
-def platform_of(tree) -> str:
-    """The platform ("cpu", "gpu", "tpu") of the devices the first placed array of `tree` lives on
-    (the default backend's when no leaf is placed)."""
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if callable(getattr(leaf, "devices", None)):
-            return next(iter(leaf.devices())).platform
-    return jax.default_backend()

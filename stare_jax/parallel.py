@@ -116,6 +116,15 @@ def replicated_in_trace(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P())
 
 
+def platform_of(tree) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices the first placed array of `tree` lives on
+    (the default backend's when no leaf is placed)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if callable(getattr(leaf, "devices", None)):
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
+
+
 def batch_divisor(mesh: Mesh) -> int:
     """The number of batch shards: |data| * |fsdp|."""
     return int(mesh.shape["data"] * mesh.shape["fsdp"])

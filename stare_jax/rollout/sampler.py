@@ -169,7 +169,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     if pad_id is None:
         pad_id = model.config.pad_token_id
         pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
-    options = gpu_gemm_lib.compiler_options("rollout", gpu_gemm, platform=gpu_gemm_lib.platform_of(state),
+    options = gpu_gemm_lib.compiler_options("rollout", gpu_gemm, platform=parallel.platform_of(state),
                                             dtype=model.dtype)
     spec = RolloutSpec(group_size=int(group_size), max_new_tokens=int(max_new_tokens), eos_ids=eos_ids,
                        pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
@@ -435,16 +435,7 @@ def feature_major_decode(decode_layout: str, state) -> bool:
     """Whether `decode_layout` (one of `DECODE_LAYOUTS`) decodes feature-major for parameters `state`."""
     if decode_layout not in DECODE_LAYOUTS:
         raise ValueError(f"decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
-    return decode_layout == "features" or (decode_layout == "auto" and _on_cpu(state))
-
-
-def _on_cpu(state) -> bool:
-    """Whether the parameters live on CPU devices (the default backend's platform when no leaf is
-    a placed array)."""
-    for leaf in jax.tree_util.tree_leaves(state):
-        if callable(getattr(leaf, "devices", None)):
-            return all(d.platform == "cpu" for d in leaf.devices())
-    return jax.default_backend() == "cpu"
+    return decode_layout == "features" or (decode_layout == "auto" and parallel.platform_of(state) == "cpu")
 
 
 def _mesh_of(state) -> Mesh | None:
