@@ -7,7 +7,9 @@ Both jitted programs of a training step are lowered and compiled ahead of time o
 devices laid out as the config's mesh (`mesh.*`, one axis may be -1):
 
 * the sampler: `stare_jax.rollout.sampler`'s jitted `grouped_rollout` for `data.prompt_batch_size`
-  prompts of `data.max_prompt_len` tokens, `rollout.group_size` responses of `rollout.max_new_tokens`;
+  prompts of `data.max_prompt_len` tokens, `rollout.group_size` responses of `rollout.max_new_tokens`
+  (compacting with `rollout.compact_min_rows`; with `rollout.slots` the slot-refilling sampler, whose
+  KV cache holds that many rows), built by the same `sampler.rollout_spec` as a run's;
 * the update step: `stare_jax.rl.update.make_update_step` on the full batch of prompts x responses;
 * with `--phases ...,eval`, also the evaluation sampler (eval.n responses per prompt, the prompt
   batch of `trainer.evaluate_model`, times the run's host count: `--processes`, which sets
@@ -324,6 +326,18 @@ class SamplerShape:
     temperature: float
     top_p: float
     top_k: int
+    slots: int = 0             # > 0: the slot-refilling sampler (`rollout.slots` / `eval.slots`)
+    compact_min_rows: int = 0  # static sampler: `rollout.compact_min_rows`
+
+    @property
+    def sampler(self) -> str:
+        """What `generate` runs for this call: the slot sampler with min(slots, rows) slots, or the
+        static batch (compacting when `compact_min_rows` is set)."""
+        rows = self.prompts * self.group_size
+        if self.slots:
+            return f"slot_rollout: {min(self.slots, rows)} refilled decode slots"
+        return "grouped_rollout" + (f", compacting down to {self.compact_min_rows} rows" if self.compact_min_rows
+                                    else "") + ": prefill + KV-cache decode"
 
 
 def training_sampler_shape(config) -> SamplerShape:
@@ -331,7 +345,8 @@ def training_sampler_shape(config) -> SamplerShape:
     `data.prompt_batch_size` prompts x `rollout.group_size` responses."""
     r = config.rollout
     return SamplerShape(int(config.data.prompt_batch_size), int(config.data.max_prompt_len), int(r.group_size),
-                        int(r.max_new_tokens), float(r.temperature), float(r.top_p), int(r.top_k))
+                        int(r.max_new_tokens), float(r.temperature), float(r.top_p), int(r.top_k),
+                        slots=int(r.slots), compact_min_rows=int(r.compact_min_rows))
 
 
 def eval_sampler_shape(config, batch_divisor: int) -> SamplerShape:
@@ -344,7 +359,8 @@ def eval_sampler_shape(config, batch_divisor: int) -> SamplerShape:
     while (batch * n) % batch_divisor:
         batch += 1
     return SamplerShape(batch * int(config.distributed.num_processes), int(config.data.max_prompt_len), n,
-                        int(config.rollout.max_new_tokens), float(config.eval.temperature), float(config.eval.top_p), 0)
+                        int(config.rollout.max_new_tokens), float(config.eval.temperature), float(config.eval.top_p), 0,
+                        slots=int(config.eval.slots), compact_min_rows=int(config.rollout.compact_min_rows))
 
 
 def simulated_rollout_mesh(mesh, per_process: int, processes: int):
@@ -358,8 +374,8 @@ def simulated_rollout_mesh(mesh, per_process: int, processes: int):
 
 
 def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
-    """Lowers and compiles the sampler (`stare_jax.rollout.sampler._compiled_rollout`, the jitted
-    `grouped_rollout` that `generate` calls) for `shape` on `mesh` (the update's mesh, or the rollout
+    """Lowers and compiles the sampler (`stare_jax.rollout.sampler._compiled_rollout`: the jitted
+    `grouped_rollout` that `generate` calls, or `slots.slot_rollout` when `shape.slots`) for `shape` on `mesh` (the update's mesh, or the rollout
     mesh of `mesh.rollout_devices`), on the policy sharded there by the parameter rules, with
     replicated prompts and key as `generate` passes them.
     Returns (compiled, lower s, compile s, per-device bytes of the policy)."""
@@ -368,8 +384,7 @@ def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     from flax import nnx
 
     from stare_jax import parallel
-    from stare_jax.rollout.sampler import RolloutSpec, _compiled_rollout, auto_segments
-    from stare_jax.rollout.sampling import SamplingParams
+    from stare_jax.rollout.sampler import _compiled_rollout, rollout_spec
 
     model = nnx.merge(*nnx.split(abstract_ts.model))  # a copy: the update's abstract model keeps its mesh
     if hasattr(model, "mesh"):
@@ -378,9 +393,12 @@ def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     model_state = with_shardings(model_state, parallel.param_shardings(model_state, mesh))
     eos_ids = tuple(cfg.eos_token_ids)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    spec = RolloutSpec(group_size=shape.group_size, max_new_tokens=shape.max_new_tokens, eos_ids=eos_ids,
-                       pad_id=int(pad_id), sampling=SamplingParams(shape.temperature, shape.top_k, shape.top_p, False),
-                       mesh=mesh, decode_segments=auto_segments(shape.max_new_tokens))
+    # as `generate` builds it, with the row-major decode layout and XLA's own GEMMs of an accelerator
+    spec = rollout_spec(model.dtype, model_state, rows=shape.prompts * shape.group_size,
+                        group_size=shape.group_size, max_new_tokens=shape.max_new_tokens, eos_ids=eos_ids,
+                        pad_id=int(pad_id), temperature=shape.temperature, top_p=shape.top_p, top_k=shape.top_k,
+                        mesh=mesh, slots=shape.slots, decode_layout="rows",
+                        compact_min_rows=shape.compact_min_rows, gpu_gemm="xla")
     rep = parallel.replicated(mesh)
     ids = jax.ShapeDtypeStruct((shape.prompts, shape.prompt_len), jnp.int32, sharding=rep)
     mask = jax.ShapeDtypeStruct((shape.prompts, shape.prompt_len), jnp.int32, sharding=rep)
@@ -525,7 +543,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     for name, shape in samplers.items():
         if name not in args.phases:
             continue
-        say(f"  {name} sampler (grouped_rollout: prefill + KV-cache decode): {shape.prompts} prompts x "
+        say(f"  {name} sampler ({shape.sampler}): {shape.prompts} prompts x "
             f"{shape.group_size} = {shape.prompts * shape.group_size} rows of {shape.max_new_tokens} tokens ...")
         # The rest of the train state (AdamW moments, controller, reference) stays on the device while
         # sampling; on a rollout mesh of its own the sampler's policy is a copy, so the state's own
@@ -533,6 +551,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         resident = state_total - (0 if rollout_devices else parts["params"])
         fig = measure(name, lambda: compile_rollout(shape, cfg, abstract_ts, rmesh), resident)
         fig["rows"] = shape.prompts * shape.group_size
+        fig["sampler"] = shape.sampler
     if "update" in args.phases:
         say("  update step (forward + backward + AdamW) ...")
         measure("update", lambda: compile_update(config, abstract_ts, mesh), 0)

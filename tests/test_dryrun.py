@@ -36,6 +36,10 @@ ABSURD_ARGS = ["--config", os.path.join(ROOT, "configs", "quickstart.py"), "--de
                "--chip", "v5e", "--phases", "rollout", "--strict",
                "--config.data.prompt_batch_size=64", "--config.rollout.max_new_tokens=1000000"]
 
+# The same rollout with 32 refilled decode slots (`rollout.slots`): the dry run compiles the slot
+# sampler a run would use, whose KV cache holds 32 rows, not 512.
+SLOTS_ARGS = ABSURD_ARGS + ["--config.rollout.slots=32"]
+
 
 # The tiny 7B-config run as 2 host processes of 4 devices, each decoding its rollouts on 2 of them
 # (a data-parallel rollout mesh of 4 devices).
@@ -59,8 +63,9 @@ def _report(out: str) -> dict:
 
 @pytest.fixture(scope="module")
 def dry_runs():
-    """The three compiling dry runs, started together (one compiles while another traces)."""
-    procs = {"tiny": _start(TINY_ARGS), "absurd": _start(ABSURD_ARGS), "rollout_mesh": _start(ROLLOUT_MESH_ARGS)}
+    """The four compiling dry runs, started together (one compiles while another traces)."""
+    procs = {"tiny": _start(TINY_ARGS), "absurd": _start(ABSURD_ARGS), "rollout_mesh": _start(ROLLOUT_MESH_ARGS),
+             "slots": _start(SLOTS_ARGS)}
     return {name: _finish(p) for name, p in procs.items()}
 
 
@@ -118,6 +123,21 @@ def test_absurd_config_does_not_fit(dry_runs):
     assert report["fits"] is False and report["chip"] == "v5e"
     assert report["peak_bytes_per_device"] > report["hbm_bytes"]
     assert "DOES NOT FIT" in out
+    assert report["phases"]["rollout"]["sampler"].startswith("grouped_rollout")
+
+
+def test_slots_compile_the_slot_sampler_whose_cache_fits(dry_runs):
+    """With `rollout.slots=32` the dry run compiles what the run would, the slot sampler, and the
+    absurd million-token rollout fits: its KV cache holds 32 slots instead of the batch's 512 rows."""
+    rc, out, err = dry_runs["slots"]
+    assert rc == 0, err[-3000:]  # --strict: it fits
+    report, absurd = _report(out), _report(dry_runs["absurd"][1])
+    rollout = report["phases"]["rollout"]
+    assert rollout["sampler"] == "slot_rollout: 32 refilled decode slots" and "slot_rollout" in out
+    assert report["fits"] is True and "FITS" in out
+    # 4 slots a device instead of 64 rows; what remains is mostly the slot sampler's replicated
+    # [R, N] uniforms (and their threefry temporaries), ~2 GB each at a million tokens
+    assert 3 * rollout["peak_bytes"] < absurd["phases"]["rollout"]["peak_bytes"]
 
 
 @pytest.mark.parametrize("args, key", [

@@ -257,6 +257,32 @@ def test_kept_logits_give_the_recomputed_gradients_with_one_product_fewer(chunk)
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=0, atol=1e-5)
 
 
+def test_kept_logits_bound_divides_by_the_devices_splitting_the_rows_fsdp_included():
+    """What a device keeps is its share of the rows: `row_shards` (data x fsdp) divides the bound's
+    count, so a bound between one device's share and the whole keeps the logits with the rows split
+    and not without; the update passes its mesh's data x fsdp (an FSDP mesh, whose dW has no
+    per-device partial sums, counts its devices too)."""
+    from stare_jax.rl import update as update_lib
+    from tests.test_rl_update import fresh_state, make_config
+
+    V, chunk = 97, 16
+    k = jax.random.split(jax.random.key(2), 3)
+    h, w = jax.random.normal(k[0], (4, 5, 8)), jax.random.normal(k[1], (8, V))
+    t = jax.random.randint(k[2], (4, 5), 0, V)
+    share = logprobs.kept_logits_mib(4, 5, V, chunk, 2)
+    assert share == logprobs.kept_logits_mib(4, 5, V, chunk) / 2
+
+    def dots(row_shards):
+        fn = jax.grad(lambda h, w: jnp.sum(token_stats(h, w, t, chunk_size=chunk, keep_logits_mb=share,
+                                                        row_shards=row_shards).log_probs), (0, 1))
+        return jax.jit(fn).lower(h, w).as_text().count("stablehlo.dot_general")
+
+    assert dots(2) == dots(1) - 1
+    for axes in ({"fsdp": 2}, {"data": 2}):
+        mesh = parallel.make_mesh(**axes, devices=jax.devices()[:2])
+        assert update_lib._row_shards(fresh_state(make_config(), mesh).model) == 2, axes
+
+
 def test_kept_logits_bound_counts_a_device_s_rows_and_reaches_the_update_step():
     """The bound is per device (the rows of a data-parallel mesh split the logits); the update step
     takes it from `model.vocab_keep_logits_mb` (its compiled backward loses the recomputing
@@ -266,9 +292,9 @@ def test_kept_logits_bound_counts_a_device_s_rows_and_reaches_the_update_step():
     from tests.test_rl_update import fresh_state, make_batch, make_config, update_once
 
     mesh = parallel.make_mesh(data=2, devices=jax.devices()[:2])
-    partials = parallel.partial_sum_sharding(mesh)
-    assert logprobs.kept_logits_mib(4, 10, 100, 16, partials) == 4 * 10 * 112 * 4 / 2 / 2**20
-    assert logprobs.kept_logits_mib(3, 10, 100, 16, partials) == 3 * 10 * 112 * 4 / 2**20  # 3 rows: not split
+    assert logprobs.kept_logits_mib(4, 10, 100, 16, 2) == 4 * 10 * 112 * 4 / 2 / 2**20
+    assert logprobs.kept_logits_mib(3, 10, 100, 16, 2) == 3 * 10 * 112 * 4 / 2**20  # 3 rows: not split
+    assert logprobs.kept_logits_mib(8, 10, 100, 16, 4) == 8 * 10 * 112 * 4 / 4 / 2**20  # data x fsdp = 4
 
     batch = make_batch()
     dots, metrics, params = {}, {}, {}

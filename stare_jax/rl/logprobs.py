@@ -62,7 +62,8 @@ class TokenStats(NamedTuple):
 
 def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chunk_size: int = 8192,
                 temperature: float = 1.0, compute_dtype=None, with_pi2: bool = False,
-                partials: NamedSharding | None = None, keep_logits_mb: float = 0) -> TokenStats:
+                partials: NamedSharding | None = None, keep_logits_mb: float = 0,
+                row_shards: int | None = None) -> TokenStats:
     """log pi(targets), entropy H and optionally Q = sum_j pi_j^2 (s_j - H), all [N, T] float32.
 
     hidden [N, T, D] (final-norm hidden states), w_out [D, V], targets [N, T] int. The logits are
@@ -73,23 +74,27 @@ def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chun
     device, reduced once after the backward loop (hidden's leading axis split over those devices).
     `keep_logits_mb`: keep every chunk's float32 logits for the backward pass instead of recomputing
     them there (one [N T, D] x [D, V] product fewer) when they take at most this many MiB a device
-    (`kept_logits_mib`); 0 never keeps them.
+    (`kept_logits_mib`); 0 never keeps them. `row_shards`: the devices hidden's rows are split over
+    (`parallel.batch_divisor` of the mesh: data x fsdp), which divide what a device keeps; default
+    the data-parallel devices of `partials`.
     """
     V = w_out.shape[1]
     C = int(min(chunk_size, V))
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(hidden.dtype)
-    keep = C < V and 0 < kept_logits_mib(hidden.shape[0], hidden.shape[1], V, C, partials) <= keep_logits_mb
+    if row_shards is None:
+        row_shards = 1 if partials is None else int(partials.mesh.shape["data"])
+    keep = C < V and 0 < kept_logits_mib(hidden.shape[0], hidden.shape[1], V, C, row_shards) <= keep_logits_mb
     spec = _Spec(chunk=C, inv_temp=1.0 / float(temperature), dtype=dtype.name,
                  with_pi2=bool(with_pi2), partials=partials, keep_logits=keep)
     log_probs, entropy, pi2_dev = _token_stats(spec, hidden, w_out, targets.astype(jnp.int32))
     return TokenStats(log_probs=log_probs, entropy=entropy, pi2_dev=pi2_dev if with_pi2 else None)
 
 
-def kept_logits_mib(n: int, t: int, vocab: int, chunk: int, partials: NamedSharding | None = None) -> float:
+def kept_logits_mib(n: int, t: int, vocab: int, chunk: int, row_shards: int = 1) -> float:
     """MiB a device holds when `token_stats` keeps the logits of hidden [n, t, D]: n t ceil(V/C) C
-    float32 values, over the data-parallel devices of `partials` when they split n evenly."""
-    shards = 1 if partials is None else int(partials.mesh.shape["data"])
-    shards = shards if n % shards == 0 else 1
+    float32 values, over the `row_shards` devices that split the n rows (data x fsdp of the mesh)
+    when they split them evenly."""
+    shards = int(row_shards) if int(row_shards) > 0 and n % int(row_shards) == 0 else 1
     return n * t * (-(-vocab // chunk) * chunk) * 4 / shards / 2**20
 
 

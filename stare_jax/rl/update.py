@@ -129,7 +129,14 @@ def response_token_stats(model, input_ids, attention_mask, response_len: int, *,
         h = hidden[:, P_len - 1:L - 1]
     return token_stats(h, model.output_embedding(), input_ids[:, P_len:], chunk_size=vocab_chunk,
                        temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
-                       partials=parallel.partial_sum_sharding(model.mesh), keep_logits_mb=keep_logits_mb)
+                       partials=parallel.partial_sum_sharding(model.mesh), keep_logits_mb=keep_logits_mb,
+                       row_shards=_row_shards(model))
+
+
+def _row_shards(model) -> int:
+    """The devices a batch's rows are split over on `model`'s mesh (data x fsdp; 1 without a mesh)."""
+    mesh = getattr(model, "mesh", None)
+    return 1 if mesh is None else parallel.batch_divisor(mesh)
 
 
 def _group_prompts(x: jax.Array, *, group_size: int, prompt_len: int) -> jax.Array:
@@ -156,7 +163,8 @@ def _packed_response_token_stats(model, input_ids, attention_mask, response_len:
     h = model.constrain_batch(jnp.where((col == 0)[..., None], last_prompt, previous))
     stats = token_stats(h, model.output_embedding(), gather_packed(responses, index, inverse), chunk_size=vocab_chunk,
                         temperature=temperature, compute_dtype=model.dtype, with_pi2=with_pi2,
-                        partials=parallel.partial_sum_sharding(model.mesh), keep_logits_mb=keep_logits_mb)
+                        partials=parallel.partial_sum_sharding(model.mesh), keep_logits_mb=keep_logits_mb,
+                        row_shards=_row_shards(model))
     grid = lambda x: None if x is None else model.constrain_batch(scatter_packed(x, index, N, R, inverse))  # noqa: E731
     return TokenStats(log_probs=grid(stats.log_probs), entropy=grid(stats.entropy), pi2_dev=grid(stats.pi2_dev))
 

@@ -169,26 +169,15 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     if pad_id is None:
         pad_id = model.config.pad_token_id
         pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
-    options = gpu_gemm_lib.compiler_options("rollout", gpu_gemm, platform=parallel.platform_of(state),
-                                            dtype=model.dtype)
-    spec = RolloutSpec(group_size=int(group_size), max_new_tokens=int(max_new_tokens), eos_ids=eos_ids,
-                       pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
-                                                                   bool(greedy)), mesh=mesh,
-                       decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
-                                           else decode_segments),
-                       feature_major=feature_major_decode(decode_layout, state),
-                       compact_min_rows=_count(compact_min_rows, "compact_min_rows"),
-                       compiler_options=tuple(sorted(options.items())))
-    if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
-        raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
-                         f"{max_new_tokens} and {spec.decode_segments}")
-    _count(slots, "slots")
     if np.ndim(prompt_ids) != 2 or np.shape(prompt_ids) != np.shape(prompt_mask) or np.shape(prompt_ids)[1] < 1:
         raise ValueError(f"prompt_ids and prompt_mask must both be [B, P] with P >= 1, got shapes "
                          f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
+    spec = rollout_spec(model.dtype, state, rows=np.shape(prompt_ids)[0] * int(group_size), group_size=group_size,
+                        max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, temperature=temperature,
+                        top_p=top_p, top_k=top_k, greedy=greedy, mesh=mesh, decode_segments=decode_segments,
+                        slots=slots, decode_layout=decode_layout, compact_min_rows=compact_min_rows,
+                        gpu_gemm=gpu_gemm)
     rows = np.shape(prompt_ids)[0] * spec.group_size
-    if slots:  # the slot sampler refills rows instead of compacting them
-        spec = dataclasses.replace(spec, slots=min(int(slots), rows), compact_min_rows=0)
     if stop_lengths is not None and np.shape(stop_lengths) != (rows,):
         raise ValueError(f"stop_lengths must have one entry per response, shape ({rows},), got "
                          f"{np.shape(stop_lengths)}")
@@ -211,6 +200,34 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     if mesh is not None:
         inputs = jax.device_put(inputs, parallel.replicated(mesh))
     return _compiled_rollout(graphdef, spec)(state, *inputs)
+
+
+def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: int, eos_ids: tuple[int, ...],
+                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 mesh: Mesh | None = None, decode_segments: int | None = None, slots: int = 0,
+                 decode_layout: str = "auto", compact_min_rows: int = 0, gpu_gemm: str = "auto") -> RolloutSpec:
+    """The `RolloutSpec` that `generate` compiles for `rows` = prompts x `group_size` responses of a
+    policy whose parameters are `state` (arrays or abstract values: they only name the platform) in
+    compute `dtype`: the slot sampler with min(slots, rows) slots when `slots` > 0 (it refills rows
+    instead of compacting them), else the static one compacting down to `compact_min_rows`; the
+    decode layout and the GPU GEMM options as `generate` documents. The dry run builds its sampler
+    from the same function, so what it compiles is what a run would. Raises ValueError for counts
+    out of range."""
+    options = gpu_gemm_lib.compiler_options("rollout", gpu_gemm, platform=parallel.platform_of(state), dtype=dtype)
+    spec = RolloutSpec(group_size=int(group_size), max_new_tokens=int(max_new_tokens), eos_ids=tuple(eos_ids),
+                       pad_id=int(pad_id), sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
+                                                                   bool(greedy)), mesh=mesh,
+                       decode_segments=int(auto_segments(max_new_tokens) if decode_segments is None
+                                           else decode_segments),
+                       feature_major=feature_major_decode(decode_layout, state),
+                       compact_min_rows=_count(compact_min_rows, "compact_min_rows"),
+                       compiler_options=tuple(sorted(options.items())))
+    if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
+        raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
+                         f"{max_new_tokens} and {spec.decode_segments}")
+    if _count(slots, "slots"):
+        spec = dataclasses.replace(spec, slots=min(int(slots), int(rows)), compact_min_rows=0)
+    return spec
 
 
 @functools.lru_cache(maxsize=64)
