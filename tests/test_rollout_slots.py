@@ -129,6 +129,26 @@ def test_stop_lengths_set_lengths_and_schedule_counts_device_steps(policies):
     assert plan["busy_slot_steps"] == int((np.minimum(stop, 12) - 1).sum())
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (7, 5), (256, 64), (3, 4099)])
+def test_uniforms_at_are_the_static_samplers_numbers_bit_for_bit(shape):
+    """The slot sampler hashes only the numbers it needs (`sampling.uniforms_at`); they are the
+    elements of jax.random.uniform(rng, (R, N)) exactly, for typed and raw keys, inside jit and out,
+    and with the partitionable flag off (where it indexes the drawn array instead)."""
+    from stare_jax.rollout.sampling import uniforms_at
+
+    R, N = shape
+    t, r = np.meshgrid(np.arange(R), np.arange(N), indexing="ij")
+    for rng in (jax.random.key(11), jax.random.PRNGKey(5), jax.random.fold_in(jax.random.key(2), 9)):
+        want = np.asarray(jax.random.uniform(rng, (R, N), np.float32))
+        np.testing.assert_array_equal(np.asarray(uniforms_at(rng, (R, N))(t, r)), want)
+        picked = jax.jit(lambda k, a, b: uniforms_at(k, (R, N))(a, b))(rng, t[::2, -1:], r[::2, -1:])
+        np.testing.assert_array_equal(np.asarray(picked), want[::2, -1:])
+    with jax.threefry_partitionable(False):
+        rng = jax.random.key(4)
+        np.testing.assert_array_equal(np.asarray(uniforms_at(rng, (R, N))(t, r)),
+                                      np.asarray(jax.random.uniform(rng, (R, N), np.float32)))
+
+
 def test_schedule_by_hand():
     # Lengths 1 need no decode step; work 4, 1, 2, 3 on 2 slots: slot 0 runs 4; slot 1 runs 1, 2, then 3 (steps 4-6).
     plan = slots.schedule([5, 1, 2, 3, 4], 2)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry_2x32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +104,33 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     logits = logits.astype(jnp.float32)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def uniforms_at(rng: jax.Array, shape: tuple[int, int]) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """u(t, r) = jax.random.uniform(rng, shape, float32)[t, r], bit for bit, for int arrays t, r of
+    one shape, without drawing the other numbers of the [R, N] array when that is possible.
+
+    With a threefry key and `jax_threefry_partitionable` on (JAX's default), element i = t N + r
+    of the array comes from counter i alone: (b1, b2) = threefry2x32(key, (0, i)), bits = b1 ^ b2,
+    and the number is the float32 with mantissa bits >> 9 in [1, 2), minus 1. Computing those for
+    the S responses a slot sampler decodes in a step costs S hashes and holds no [R, N] array (a
+    replicated one, with its threefry temporaries, took ~2 GB a copy a device at a million tokens
+    and 512 responses in the dry run). Any other key implementation, the flag off, or R N >= 2^32
+    draws the array once and indexes it."""
+    R, N = int(shape[0]), int(shape[1])
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    impl = str(jax.random.key_impl(rng)) if typed else str(jax.config.jax_default_prng_impl)
+    if not (jax.config.jax_threefry_partitionable and "threefry" in impl and R * N < 2**32):
+        table = jax.random.uniform(rng, (R, N), jnp.float32)
+        return lambda t, r: table[t, r]
+    data = jax.random.key_data(rng) if typed else rng
+
+    def at(t: jax.Array, r: jax.Array) -> jax.Array:
+        t, r = jnp.broadcast_arrays(jnp.asarray(t), jnp.asarray(r))
+        i = (t.astype(jnp.uint32) * np.uint32(N) + r.astype(jnp.uint32)).ravel()
+        hashed = threefry_2x32(data, jnp.concatenate([jnp.zeros_like(i), i]))
+        bits = hashed[:i.size] ^ hashed[i.size:]
+        unit = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32) - 1.0
+        return jnp.maximum(unit, 0.0).reshape(t.shape)
+
+    return at

@@ -11,8 +11,9 @@ until every response has ended; every shape is static (S, R, P, B, N), so outcom
 lengths reuse the compiled program.
 
 Same responses as the static sampler for the same key: randomness belongs to the response, not
-the slot. The [R, N] uniforms are drawn exactly as the static sampler draws them, and response
-r's token t uses uniforms[t, r] whichever slot decodes it and whenever. The math of a step is
+the slot. Response r's token t uses uniforms[t, r] of the [R, N] array the static sampler draws,
+whichever slot decodes it and whenever; each step computes only its S slots' numbers
+(`sampling.uniforms_at`, bit for bit those of the array). The math of a step is
 the static decode step's (`decode.decode_step`, with one prompt per row and a per-row cache
 slot), so greedy and sampled tokens agree and log-probs agree to float rounding.
 
@@ -66,7 +67,7 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   slots read); on equal lengths it reads what the static sampler reads (docs/performance.md).
 * Bookkeeping per step is O(S) integer work on device: which slots ended, a cumsum that hands the
   free slots the next entries of a queue of pending responses, the per-slot gather of uniforms
-  (uniforms[t_s, r_s]) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
+  (u(t_s, r_s), hashed per slot) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
   round trip: the loop's only condition is "any slot busy".
 * With a mesh the slots are split over the batch axes (when S divides), the prompt cache and the
   [N, R] outputs are replicated (refills gather any prompt; writes go to any response) and KV
@@ -90,7 +91,7 @@ from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout import sampler
 from stare_jax.rollout.decode import PromptCache, decode_step_rows, empty_response_cache, layer_params, prompt_cache
 from stare_jax.rollout.sampler import RolloutResult, RolloutSpec, finish_tokens
-from stare_jax.rollout.sampling import choose_tokens, token_log_probs
+from stare_jax.rollout.sampling import choose_tokens, token_log_probs, uniforms_at
 
 REFILL_LANES = 8  # slots whose prompt keys/values one trip of the refill loop copies
 
@@ -131,9 +132,10 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     prompt = PromptCache([tuple(map(kv(False), layer)) for layer in prompt.layers], replicated(prompt.bias))
     prompt_lengths = prompt_mask.sum(axis=1)
     first_logits = jnp.repeat(model.logits(hidden[:, -1]), G, axis=0, total_repeat_length=N)
-    uniforms = None if spec.sampling.greedy else replicated(jax.random.uniform(rng, (R, N), jnp.float32))
+    uniforms = None if spec.sampling.greedy else uniforms_at(rng, (R, N))  # u(t, r), drawn as the static sampler draws
     stop = None if stop_lengths is None else replicated(stop_lengths.astype(jnp.int32))
-    first = choose_tokens(first_logits, None if uniforms is None else uniforms[0], spec.sampling)
+    first = choose_tokens(first_logits, None if uniforms is None else
+                          replicated(uniforms(jnp.zeros((N,), jnp.int32), jnp.arange(N, dtype=jnp.int32))), spec.sampling)
     first, first_ends = finish_tokens(first, 0, stop, spec.eos_ids)
     first_logp = token_log_probs(first_logits, first)
     wanted = jnp.ones((N,), bool) if num_groups is None else jnp.arange(N) // G < num_groups
@@ -225,7 +227,7 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         # Feed token t-1 at cache column t-1 (idle slots compute on whatever they hold; unrecorded).
         logits, blocks = decode_step_rows(model, layers, group_prompt if shared else slot_prompt, blocks,
                                           starts[:used], token, plen + t - 1, jnp.clip(t - 1, 0, R - 1), rope=rope)
-        new = choose_tokens(logits, None if uniforms is None else uniforms[index, r], spec.sampling)
+        new = choose_tokens(logits, None if uniforms is None else uniforms(index, r), spec.sampling)
         new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
         logp = token_log_probs(logits, new)
         row = jnp.where(busy, resp, N)                   # N: dropped write
