@@ -138,7 +138,8 @@ def test_uniforms_at_are_the_static_samplers_numbers_bit_for_bit(shape):
 
     R, N = shape
     t, r = np.meshgrid(np.arange(R), np.arange(N), indexing="ij")
-    for rng in (jax.random.key(11), jax.random.PRNGKey(5), jax.random.fold_in(jax.random.key(2), 9)):
+    for rng in (jax.random.key(11), jax.random.PRNGKey(5), jax.random.fold_in(jax.random.key(2), 9),
+                jax.random.key(3, impl="rbg")):  # rbg: not threefry's counters, so the drawn array
         want = np.asarray(jax.random.uniform(rng, (R, N), np.float32))
         np.testing.assert_array_equal(np.asarray(uniforms_at(rng, (R, N))(t, r)), want)
         picked = jax.jit(lambda k, a, b: uniforms_at(k, (R, N))(a, b))(rng, t[::2, -1:], r[::2, -1:])

@@ -120,7 +120,7 @@ def uniforms_at(rng: jax.Array, shape: tuple[int, int]) -> Callable[[jax.Array, 
     R, N = int(shape[0]), int(shape[1])
     typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
     impl = str(jax.random.key_impl(rng)) if typed else str(jax.config.jax_default_prng_impl)
-    if not (jax.config.jax_threefry_partitionable and "threefry" in impl and R * N < 2**32):
+    if not (jax.config.jax_threefry_partitionable and "threefry2x32" in impl and R * N < 2**32):
         table = jax.random.uniform(rng, (R, N), jnp.float32)
         return lambda t, r: table[t, r]
     data = jax.random.key_data(rng) if typed else rng
