@@ -153,6 +153,24 @@ def test_config_errors_exit_2_naming_the_key(args, key):
     assert key in err and len(err.strip().splitlines()) == 1
 
 
+def test_sampler_shapes_take_each_phases_sampler_settings():
+    """The training sampler takes rollout.slots and rollout.compact_min_rows, the evaluation sampler
+    eval.slots (and the rollout's compaction), as the trainer passes them to `generate`; slots never
+    exceed the rows, and the name says which sampler compiles."""
+    from stare_jax import dryrun
+
+    c = config_lib.default_config()
+    c.data.prompt_batch_size, c.rollout.group_size, c.eval.n, c.eval.max_prompts = 4, 2, 4, 8
+    assert dryrun.training_sampler_shape(c).sampler == "grouped_rollout: prefill + KV-cache decode"
+    c.rollout.compact_min_rows = 2
+    assert "compacting down to 2 rows" in dryrun.training_sampler_shape(c).sampler
+    c.rollout.slots, c.eval.slots = 64, 16
+    train, evaluation = dryrun.training_sampler_shape(c), dryrun.eval_sampler_shape(c, 1)
+    assert (train.slots, evaluation.slots) == (64, 16) and evaluation.compact_min_rows == 2
+    assert train.sampler == "slot_rollout: 8 refilled decode slots"  # 4 prompts x 2 responses
+    assert evaluation.sampler == "slot_rollout: 16 refilled decode slots"  # of 8 prompts x 4
+
+
 def test_processes_set_the_configs_host_count_once():
     """`--processes H` becomes distributed.num_processes (which the config checks, the eval batch and
     the rollout mesh read); beside a different --config.distributed.num_processes it is an error."""
