@@ -63,7 +63,7 @@ class TokenStats(NamedTuple):
 def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chunk_size: int = 8192,
                 temperature: float = 1.0, compute_dtype=None, with_pi2: bool = False,
                 partials: NamedSharding | None = None, keep_logits_mb: float = 0,
-                row_shards: int | None = None) -> TokenStats:
+                row_shards: int = 1) -> TokenStats:
     """log pi(targets), entropy H and optionally Q = sum_j pi_j^2 (s_j - H), all [N, T] float32.
 
     hidden [N, T, D] (final-norm hidden states), w_out [D, V], targets [N, T] int. The logits are
@@ -75,14 +75,11 @@ def token_stats(hidden: jax.Array, w_out: jax.Array, targets: jax.Array, *, chun
     `keep_logits_mb`: keep every chunk's float32 logits for the backward pass instead of recomputing
     them there (one [N T, D] x [D, V] product fewer) when they take at most this many MiB a device
     (`kept_logits_mib`); 0 never keeps them. `row_shards`: the devices hidden's rows are split over
-    (`parallel.batch_divisor` of the mesh: data x fsdp), which divide what a device keeps; default
-    the data-parallel devices of `partials`.
+    (`parallel.batch_divisor` of the mesh: data x fsdp), which divide what a device keeps.
     """
     V = w_out.shape[1]
     C = int(min(chunk_size, V))
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else jnp.dtype(hidden.dtype)
-    if row_shards is None:
-        row_shards = 1 if partials is None else int(partials.mesh.shape["data"])
     keep = C < V and 0 < kept_logits_mib(hidden.shape[0], hidden.shape[1], V, C, row_shards) <= keep_logits_mb
     spec = _Spec(chunk=C, inv_temp=1.0 / float(temperature), dtype=dtype.name,
                  with_pi2=bool(with_pi2), partials=partials, keep_logits=keep)

@@ -172,12 +172,12 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     if np.ndim(prompt_ids) != 2 or np.shape(prompt_ids) != np.shape(prompt_mask) or np.shape(prompt_ids)[1] < 1:
         raise ValueError(f"prompt_ids and prompt_mask must both be [B, P] with P >= 1, got shapes "
                          f"{np.shape(prompt_ids)} and {np.shape(prompt_mask)}")
-    spec = rollout_spec(model.dtype, state, rows=np.shape(prompt_ids)[0] * int(group_size), group_size=group_size,
+    rows = np.shape(prompt_ids)[0] * int(group_size)
+    spec = rollout_spec(model.dtype, state, rows=rows, group_size=group_size,
                         max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, temperature=temperature,
                         top_p=top_p, top_k=top_k, greedy=greedy, mesh=mesh, decode_segments=decode_segments,
                         slots=slots, decode_layout=decode_layout, compact_min_rows=compact_min_rows,
                         gpu_gemm=gpu_gemm)
-    rows = np.shape(prompt_ids)[0] * spec.group_size
     if stop_lengths is not None and np.shape(stop_lengths) != (rows,):
         raise ValueError(f"stop_lengths must have one entry per response, shape ({rows},), got "
                          f"{np.shape(stop_lengths)}")
