@@ -69,9 +69,17 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   free slots the next entries of a queue of pending responses, the per-slot gather of uniforms
   (u(t_s, r_s), hashed per slot) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
   round trip: the loop's only condition is "any slot busy".
-* With a mesh the slots are split over the batch axes (when S divides), the prompt cache and the
-  [N, R] outputs are replicated (refills gather any prompt; writes go to any response) and KV
-  heads follow the `tensor` axis, as in the static sampler.
+* With a mesh each batch shard (data x fsdp, D of them) runs its own loop when D divides the
+  prompts and the slots (`per_device`, one `shard_map`): device d prefills its B / D prompts and
+  decodes their responses, rows d N / D onwards of the result, with S / D slots; its prompt cache,
+  queue and [N / D, R] outputs are its own, and no collective runs inside the loop. This is the
+  static sampler's split of rows (a device decodes the rows it holds) with refilling inside each
+  device; a device whose responses end first idles until the last device's end, as a static
+  device does. Otherwise (and for `num_groups`, whose wanted groups are the first ones, all on the
+  first devices) one loop serves a shared queue: the slots are split over the batch axes (when S
+  divides), the prompt cache and the [N, R] outputs are replicated (refills gather any prompt;
+  writes go to any response), and every step gathers the slots' tokens and reduces the loop's
+  condition over the devices. KV heads follow the `tensor` axis in both, as in the static sampler.
 
 Idle slot-steps remain only at the end (fewer pending responses than slots) and for slots beyond
 the responses left; `schedule` replays the slot assignment on the host from the response lengths
@@ -79,6 +87,8 @@ the responses left; `schedule` replays the slot assignment on the host from the 
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -104,15 +114,76 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     """Pure slot-refilling rollout of `nnx.merge(graphdef, state)` with `spec.slots` decode slots:
     the `RolloutResult` of `sampler.grouped_rollout` for the same arguments (rows group by group),
     and with `with_steps` also int32 [2]: the decode steps the loop ran, and how many of them read
-    the slot groups' shared prompts (`aligned`). Jit it with `graphdef`, `spec` and `with_steps` static.
+    the slot groups' shared prompts (`aligned`); per device, the longest device loop's counts.
+    Jit it with `graphdef`, `spec` and `with_steps` static.
 
     `num_groups` (int32 scalar, traced) generates only the first that many groups: the responses of
     later groups never take a slot and come back empty (response mask 0, not truncated), so the
     loop ends as soon as the wanted groups are complete; the generated ones are those of a full
-    rollout with the same key."""
+    rollout with the same key.
+
+    With a mesh whose D batch shards divide both the B prompts and the slots, and no `num_groups`,
+    each device runs its own loop (`per_device`): S / D slots over its own B / D prompts' responses,
+    the rows it holds of the result."""
     global trace_count
     trace_count += 1
+    B = prompt_ids.shape[0]
+    if per_device(spec.mesh, B, min(spec.slots, B * spec.group_size), num_groups is not None):
+        return _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, spec=spec,
+                             with_steps=with_steps)
     model: Decoder = nnx.merge(graphdef, state)
+    result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, num_groups, spec=spec)
+    return (result, steps) if with_steps else result
+
+
+def per_device(mesh, prompts: int, slots: int, limited: bool) -> bool:
+    """Whether the slot sampler runs one loop per batch shard of `mesh` (`_device_loops`): the D =
+    data x fsdp shards (D > 1) divide the prompts and the slots, and the rollout generates every
+    group (`num_groups`, dynamic sampling's "only the first groups", would leave the shards that hold
+    the later groups idle; it takes the shared queue)."""
+    if mesh is None or limited:
+        return False
+    shards = parallel.batch_divisor(mesh)
+    return shards > 1 and prompts % shards == 0 and slots % shards == 0
+
+
+def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, *, spec: RolloutSpec,
+                  with_steps: bool):
+    """The slot rollout as one `jax.shard_map` over the mesh's batch axes: device d decodes the
+    responses of its own B / D prompts (rows d N / D .. (d + 1) N / D - 1, whole groups) with S / D
+    slots and writes only those rows, so the [N, R] outputs, the prompt cache and the refill queue
+    are split D ways instead of replicated, and no collective runs inside the decode loop (each
+    device's loop ends when its own responses have). Response r still takes uniforms u(t, r) of
+    the global [R, N] array, so the responses are the single-device ones. The weights enter
+    replicated over the batch axes (FSDP shards are gathered once, before the loop); the `tensor`
+    axis stays automatic. Idle slots: a device whose responses end first waits for the others."""
+    mesh, G = spec.mesh, spec.group_size
+    B = prompt_ids.shape[0]
+    shards, N = parallel.batch_divisor(mesh), B * G
+    local_spec = dataclasses.replace(spec, mesh=None, slots=min(spec.slots, N) // shards)
+    rows = P(parallel.BATCH_AXES)
+
+    def local(state, prompt_ids, prompt_mask, rng, stop_lengths):
+        model: Decoder = nnx.merge(graphdef, state)
+        model.mesh = None  # no sharding constraints on the manual batch axes inside the region
+        offset = jax.lax.axis_index(parallel.BATCH_AXES) * (N // shards)
+        result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, None, spec=local_spec,
+                                   offset=offset, total=N)
+        return result, jax.lax.pmax(steps, parallel.BATCH_AXES)
+
+    stop_spec = None if stop_lengths is None else rows
+    result, steps = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), stop_spec),
+                                  out_specs=(rows, P()), axis_names=set(parallel.BATCH_AXES),
+                                  check_vma=False)(state, prompt_ids, prompt_mask, rng, stop_lengths)
+    return (result, steps) if with_steps else result
+
+
+def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+               stop_lengths: jax.Array | None, num_groups: jax.Array | None, *, spec: RolloutSpec,
+               offset=0, total: int | None = None) -> tuple[RolloutResult, jax.Array]:
+    """The slot loop over the B prompts' responses (`slot_rollout`): (result, steps). Response r of
+    these is response `offset` + r of a rollout of `total` responses (default B G) for its
+    sampling uniforms, so a device's share of a larger rollout draws what the whole one would."""
     B, prompt_len = prompt_ids.shape
     G, R = spec.group_size, spec.max_new_tokens
     N = B * G
@@ -132,10 +203,10 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     prompt = PromptCache([tuple(map(kv(False), layer)) for layer in prompt.layers], replicated(prompt.bias))
     prompt_lengths = prompt_mask.sum(axis=1)
     first_logits = jnp.repeat(model.logits(hidden[:, -1]), G, axis=0, total_repeat_length=N)
-    uniforms = None if spec.sampling.greedy else uniforms_at(rng, (R, N))  # u(t, r), drawn as the static sampler draws
+    uniforms = None if spec.sampling.greedy else uniforms_at(rng, (R, N if total is None else total))  # u(t, r), drawn as the static sampler draws
     stop = None if stop_lengths is None else replicated(stop_lengths.astype(jnp.int32))
     first = choose_tokens(first_logits, None if uniforms is None else
-                          replicated(uniforms(jnp.zeros((N,), jnp.int32), jnp.arange(N, dtype=jnp.int32))), spec.sampling)
+                          replicated(uniforms(jnp.zeros((N,), jnp.int32), offset + jnp.arange(N, dtype=jnp.int32))), spec.sampling)
     first, first_ends = finish_tokens(first, 0, stop, spec.eos_ids)
     first_logp = token_log_probs(first_logits, first)
     wanted = jnp.ones((N,), bool) if num_groups is None else jnp.arange(N) // G < num_groups
@@ -227,7 +298,7 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
         # Feed token t-1 at cache column t-1 (idle slots compute on whatever they hold; unrecorded).
         logits, blocks = decode_step_rows(model, layers, group_prompt if shared else slot_prompt, blocks,
                                           starts[:used], token, plen + t - 1, jnp.clip(t - 1, 0, R - 1), rope=rope)
-        new = choose_tokens(logits, None if uniforms is None else uniforms(index, r), spec.sampling)
+        new = choose_tokens(logits, None if uniforms is None else uniforms(index, offset + r), spec.sampling)
         new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
         logp = token_log_probs(logits, new)
         row = jnp.where(busy, resp, N)                   # N: dropped write
@@ -283,7 +354,7 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
                            attention_mask=rows(jnp.concatenate([repeat(prompt_mask), mask], axis=1)),
                            response_ids=rows(ids), response_mask=rows(mask), log_probs=rows(logps),
                            truncated=rows(~done & wanted), prompt_len=prompt_len)
-    return (result, steps) if with_steps else result
+    return result, steps
 
 
 def _kv_spec(model: Decoder, mesh, rows_split: bool) -> P:
@@ -295,22 +366,37 @@ def _kv_spec(model: Decoder, mesh, rows_split: bool) -> P:
     return P(parallel.BATCH_AXES if rows_split else None, heads, None, None)
 
 
-def schedule(lengths, slots: int) -> dict:
+def schedule(lengths, slots: int, shards: int = 1) -> dict:
     """Replays the slot assignment of `slot_rollout` on the host from the response lengths (int
     [N], tokens per response incl. EOS): {"decode_steps", "slot_steps", "busy_slot_steps",
     "idle_share"} of the slot sampler with `slots` slots, and the same for the static sampler
     ("static_decode_steps", ...: N rows until the longest response ends). Token 0 of every
-    response comes from the prefill, so a response of length L is busy for L - 1 decode steps."""
+    response comes from the prefill, so a response of length L is busy for L - 1 decode steps.
+    `shards` > 1 replays the per-device loops (`per_device`): shard d runs slots / shards slots over
+    its contiguous N / shards responses, the longest shard sets the decode steps, and a shard's
+    slots idle while it waits for the others."""
     lengths = np.asarray(lengths, np.int64)
     n = len(lengths)
     s = min(int(slots), n)
+    if shards > 1 and (n % shards or s % shards):
+        raise ValueError(f"{shards} shards must divide the {n} responses and the {s} slots")
     work = lengths - 1
+    steps = max((_loop_steps(part, s // shards) for part in np.split(work, shards)), default=0)
+    busy = int(work.sum())
+    static_steps = int(work.max()) if n else 0
+    share = lambda total: 0.0 if total == 0 else 1.0 - busy / total  # noqa: E731
+    return {"decode_steps": steps, "slot_steps": steps * s, "busy_slot_steps": busy,
+            "idle_share": share(steps * s), "static_decode_steps": static_steps,
+            "static_slot_steps": static_steps * n, "static_idle_share": share(static_steps * n)}
+
+
+def _loop_steps(work: np.ndarray, s: int) -> int:
+    """Decode steps of one slot loop with `s` slots over responses needing `work` steps each."""
     queue = [int(w) for w in work if w > 0]
     remaining = np.zeros(s, np.int64)                 # decode steps left per slot (0: free)
-    q = steps = 0
     fill = min(s, len(queue))
     remaining[:fill] = queue[:fill]
-    q = fill
+    q, steps = fill, 0
     lanes = min(s, REFILL_LANES)
     while (remaining > 0).any() or q < len(queue):
         steps += 1
@@ -320,12 +406,7 @@ def schedule(lengths, slots: int) -> dict:
             if q < len(queue):
                 remaining[i] = queue[q]
                 q += 1
-    busy = int(work.sum())
-    static_steps = int(work.max()) if n else 0
-    share = lambda total: 0.0 if total == 0 else 1.0 - busy / total  # noqa: E731
-    return {"decode_steps": steps, "slot_steps": steps * s, "busy_slot_steps": busy,
-            "idle_share": share(steps * s), "static_decode_steps": static_steps,
-            "static_slot_steps": static_steps * n, "static_idle_share": share(static_steps * n)}
+    return steps
 
 
-__all__ = ["REFILL_LANES", "schedule", "slot_rollout"]
+__all__ = ["REFILL_LANES", "per_device", "schedule", "slot_rollout"]
