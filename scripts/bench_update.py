@@ -7,7 +7,8 @@ them the packed capacity), this script samples one batch of the real-model workl
 workloads instead, random weights and fixed lengths, whose updates take seconds) and times the
 jitted update step on exactly that batch for each `--setting` (config overrides as JSON, applied
 on top of the benchmark's stare-jax config, e.g. '{"model.remat_saves": "projections"}'), `--reps`
-times each (the first includes compilation), one setting after another in the same process. With `--profile DIR` the last update of each
+times each (the first includes compilation, or loading it from $STARE_COMPILATION_CACHE_DIR when
+that is set, as for every stare-jax entry point), one setting after another in the same process. With `--profile DIR` the last update of each
 setting runs under `jax.profiler.trace` and the printed summary adds each device's time by XLA
 op kind (matmuls, fusions, loop overhead, ...), from the trace's per-op self times (on a GPU: the
 device's op events, with XLA's CUDA graphs turned off for the run so that they show). `--cpu-devices 1`
@@ -131,6 +132,8 @@ def main() -> None:
                     cpu_devices=args.cpu_devices or cpu_devices_per_core(workload["num_prompts"]))
     base = ours_peer.bench_config(workload)
     distributed.initialize(base)
+    from stare_jax import compilation
+    compilation.use_persistent_cache(base.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
     import jax
     import numpy as np
 

@@ -329,16 +329,6 @@ class SamplerShape:
     slots: int = 0             # > 0: the slot-refilling sampler (`rollout.slots` / `eval.slots`)
     compact_min_rows: int = 0  # static sampler: `rollout.compact_min_rows`
 
-    @property
-    def sampler(self) -> str:
-        """What `generate` runs for this call: the slot sampler with min(slots, rows) slots, or the
-        static batch (compacting when `compact_min_rows` is set)."""
-        rows = self.prompts * self.group_size
-        if self.slots:
-            return f"slot_rollout: {min(self.slots, rows)} refilled decode slots"
-        return "grouped_rollout" + (f", compacting down to {self.compact_min_rows} rows" if self.compact_min_rows
-                                    else "") + ": prefill + KV-cache decode"
-
 
 def training_sampler_shape(config) -> SamplerShape:
     """The training rollout of `trainer.collect_batch`: one generation batch of the global
@@ -373,18 +363,15 @@ def simulated_rollout_mesh(mesh, per_process: int, processes: int):
     return parallel.rollout_mesh(mesh, per_process, process_of=lambda d: d.id // block)
 
 
-def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
-    """Lowers and compiles the sampler (`stare_jax.rollout.sampler._compiled_rollout`: the jitted
-    `grouped_rollout` that `generate` calls, or `slots.slot_rollout` when `shape.slots`) for `shape` on `mesh` (the update's mesh, or the rollout
-    mesh of `mesh.rollout_devices`), on the policy sharded there by the parameter rules, with
-    replicated prompts and key as `generate` passes them.
-    Returns (compiled, lower s, compile s, per-device bytes of the policy)."""
-    import jax
-    import jax.numpy as jnp
+def rollout_program(shape: SamplerShape, cfg, abstract_ts, mesh):
+    """(graphdef, sharded abstract policy state, `RolloutSpec`) of the sampler `generate` would run
+    for `shape` on `mesh` (the update's mesh, or the rollout mesh of `mesh.rollout_devices`): the
+    policy sharded there by the parameter rules, the spec built by `sampler.rollout_spec` with the
+    row-major decode layout and XLA's own GEMMs of an accelerator."""
     from flax import nnx
 
     from stare_jax import parallel
-    from stare_jax.rollout.sampler import _compiled_rollout, rollout_spec
+    from stare_jax.rollout.sampler import rollout_spec
 
     model = nnx.merge(*nnx.split(abstract_ts.model))  # a copy: the update's abstract model keeps its mesh
     if hasattr(model, "mesh"):
@@ -393,13 +380,27 @@ def compile_rollout(shape: SamplerShape, cfg, abstract_ts, mesh):
     model_state = with_shardings(model_state, parallel.param_shardings(model_state, mesh))
     eos_ids = tuple(cfg.eos_token_ids)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    # as `generate` builds it, with the row-major decode layout and XLA's own GEMMs of an accelerator
     spec = rollout_spec(model.dtype, model_state, rows=shape.prompts * shape.group_size,
                         group_size=shape.group_size, max_new_tokens=shape.max_new_tokens, eos_ids=eos_ids,
                         pad_id=int(pad_id), temperature=shape.temperature, top_p=shape.top_p, top_k=shape.top_k,
                         mesh=mesh, slots=shape.slots, decode_layout="rows",
                         compact_min_rows=shape.compact_min_rows, gpu_gemm="xla")
-    rep = parallel.replicated(mesh)
+    return graphdef, model_state, spec
+
+
+def compile_rollout(shape: SamplerShape, program):
+    """Lowers and compiles the sampler (`stare_jax.rollout.sampler._compiled_rollout`: the jitted
+    `grouped_rollout` that `generate` calls, or `slots.slot_rollout` when `shape.slots`) of
+    `program` (`rollout_program`) for `shape`, with replicated prompts and key as `generate` passes
+    them. Returns (compiled, lower s, compile s, per-device bytes of the policy)."""
+    import jax
+    import jax.numpy as jnp
+
+    from stare_jax import parallel
+    from stare_jax.rollout.sampler import _compiled_rollout
+
+    graphdef, model_state, spec = program
+    rep = parallel.replicated(spec.mesh)
     ids = jax.ShapeDtypeStruct((shape.prompts, shape.prompt_len), jnp.int32, sharding=rep)
     mask = jax.ShapeDtypeStruct((shape.prompts, shape.prompt_len), jnp.int32, sharding=rep)
     rng = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=rep)
@@ -465,6 +466,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     from stare_jax import parallel
     from stare_jax.models.presets import num_parameters
     from stare_jax.rl.train_state import train_state_shardings
+    from stare_jax.rollout.sampler import describe
 
     config, placeholders = load_config(args.config, overrides, args.devices)
     cfg, source = model_architecture(config, args.preset)
@@ -543,15 +545,17 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     for name, shape in samplers.items():
         if name not in args.phases:
             continue
-        say(f"  {name} sampler ({shape.sampler}): {shape.prompts} prompts x "
+        program = rollout_program(shape, cfg, abstract_ts, rmesh)
+        described = describe(program[2], shape.prompts)
+        say(f"  {name} sampler ({described}): {shape.prompts} prompts x "
             f"{shape.group_size} = {shape.prompts * shape.group_size} rows of {shape.max_new_tokens} tokens ...")
         # The rest of the train state (AdamW moments, controller, reference) stays on the device while
         # sampling; on a rollout mesh of its own the sampler's policy is a copy, so the state's own
         # parameters stay too.
         resident = state_total - (0 if rollout_devices else parts["params"])
-        fig = measure(name, lambda: compile_rollout(shape, cfg, abstract_ts, rmesh), resident)
+        fig = measure(name, lambda: compile_rollout(shape, program), resident)
         fig["rows"] = shape.prompts * shape.group_size
-        fig["sampler"] = shape.sampler
+        fig["sampler"] = described
     if "update" in args.phases:
         say("  update step (forward + backward + AdamW) ...")
         measure("update", lambda: compile_update(config, abstract_ts, mesh), 0)

@@ -613,3 +613,21 @@ def test_a_paired_runs_allocator_cache_bound_is_most_of_the_memory_unless_set():
     assert bench_step.paired_malloc_limit_gb({"JAX_PLATFORMS": "cpu"}) == pytest.approx(0.8 * physical_gb, abs=0.05)
     assert bench_step.paired_malloc_limit_gb({"JAX_PLATFORMS": "cpu", "STARE_JAX_MALLOC_LIMIT_GB": "4"}) is None
     assert bench_step.paired_malloc_limit_gb({"JAX_PLATFORMS": "cuda"}) is None
+
+
+def test_bench_update_keeps_its_programs_in_the_compilation_cache(tmp_path):
+    """`bench_update.py` uses $STARE_COMPILATION_CACHE_DIR as every stare-jax entry point does: a
+    second process on the same batch loads the update's program instead of compiling it again."""
+    cache = tmp_path / "xla"
+    args = [sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "smoke", "--reps", "1",
+            "--model-cache", str(tmp_path / "models"), "--batch-cache", str(tmp_path / "batch.pkl")]
+    env = subprocess_env(1, STARE_COMPILATION_CACHE_DIR=str(cache))
+    first = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries, "nothing written to the compilation cache"
+    second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert sorted(p.name for p in cache.iterdir()) == entries  # every program found, none written anew
+    for run in (first, second):
+        assert json.loads(run.stdout.strip().splitlines()[-1])["times_s"][0] > 0

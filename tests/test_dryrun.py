@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from stare_jax import config as config_lib
+from stare_jax import parallel
 from stare_jax.models import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +134,8 @@ def test_slots_compile_the_slot_sampler_whose_cache_fits(dry_runs):
     assert rc == 0, err[-3000:]  # --strict: it fits
     report, absurd = _report(out), _report(dry_runs["absurd"][1])
     rollout = report["phases"]["rollout"]
-    assert rollout["sampler"] == "slot_rollout: 32 refilled decode slots" and "slot_rollout" in out
+    assert rollout["sampler"] == ("slot_rollout: 32 refilled decode slots, one loop per device (4 slots over 8 "
+                                  "prompts each)") and "slot_rollout" in out
     assert report["fits"] is True and "FITS" in out
     # 4 slots a device instead of 64 rows, in a loop per device (`slots.per_device`): each device
     # holds its own 64 responses' [64, R] outputs, not the whole [512, R] (6.7 GiB a device when
@@ -155,20 +157,36 @@ def test_config_errors_exit_2_naming_the_key(args, key):
 
 def test_sampler_shapes_take_each_phases_sampler_settings():
     """The training sampler takes rollout.slots and rollout.compact_min_rows, the evaluation sampler
-    eval.slots (and the rollout's compaction), as the trainer passes them to `generate`; slots never
-    exceed the rows, and the name says which sampler compiles."""
+    eval.slots (and the rollout's compaction), as the trainer passes them to `generate`; the spec
+    `rollout_spec` builds from them never has more slots than rows, and its description says which
+    sampler compiles and whether each batch shard runs its own slot loop."""
+    import jax
+
     from stare_jax import dryrun
+    from stare_jax.rollout import sampler
 
     c = config_lib.default_config()
     c.data.prompt_batch_size, c.rollout.group_size, c.eval.n, c.eval.max_prompts = 4, 2, 4, 8
-    assert dryrun.training_sampler_shape(c).sampler == "grouped_rollout: prefill + KV-cache decode"
+    mesh = parallel.make_mesh(data=8)
+
+    def described(shape, on=None):
+        spec = sampler.rollout_spec("float32", {}, rows=shape.prompts * shape.group_size,
+                                    group_size=shape.group_size, max_new_tokens=shape.max_new_tokens, eos_ids=(2,),
+                                    pad_id=0, mesh=on, slots=shape.slots, compact_min_rows=shape.compact_min_rows)
+        return sampler.describe(spec, shape.prompts)
+
+    assert described(dryrun.training_sampler_shape(c)) == "grouped_rollout: prefill + KV-cache decode"
     c.rollout.compact_min_rows = 2
-    assert "compacting down to 2 rows" in dryrun.training_sampler_shape(c).sampler
+    assert "compacting down to 2 rows" in described(dryrun.training_sampler_shape(c))
     c.rollout.slots, c.eval.slots = 64, 16
     train, evaluation = dryrun.training_sampler_shape(c), dryrun.eval_sampler_shape(c, 1)
     assert (train.slots, evaluation.slots) == (64, 16) and evaluation.compact_min_rows == 2
-    assert train.sampler == "slot_rollout: 8 refilled decode slots"  # 4 prompts x 2 responses
-    assert evaluation.sampler == "slot_rollout: 16 refilled decode slots"  # of 8 prompts x 4
+    assert described(train) == "slot_rollout: 8 refilled decode slots"  # 4 prompts x 2 responses
+    assert described(train, mesh) == "slot_rollout: 8 refilled decode slots"  # 4 prompts over 8 shards: one queue
+    assert described(evaluation) == "slot_rollout: 16 refilled decode slots"  # of 8 prompts x 4
+    assert described(evaluation, mesh) == ("slot_rollout: 16 refilled decode slots, one loop per device "
+                                           "(2 slots over 1 prompt each)")
+    assert jax.device_count() == 8
 
 
 def test_processes_set_the_configs_host_count_once():

@@ -90,8 +90,8 @@ def test_filtered_sampling_and_sharded_slots_equal_static(tiny_checkpoints, poli
     assert_same_rollout(multi, ref)
 
 
-@pytest.mark.parametrize("layout,num_slots", [(dict(data=2, fsdp=2, tensor=2), 4), (dict(data=2), 6)],
-                         ids=["dp2-fsdp2-tp2-1slot", "dp2-3slots"])
+@pytest.mark.parametrize("layout,num_slots", [(dict(data=4, tensor=2), 4), (dict(data=2), 6)],
+                         ids=["dp4-tp2-1slot", "dp2-3slots"])
 def test_per_device_slot_loops_equal_static_hold_their_rows_and_no_loop_collective(tiny_checkpoints, policies,
                                                                                    layout, num_slots):
     """With a mesh whose batch shards divide the prompts and the slots, each device runs its own
@@ -111,6 +111,7 @@ def test_per_device_slot_loops_equal_static_hold_their_rows_and_no_loop_collecti
     shards = parallel.batch_divisor(mesh)
     sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
     assert slots.per_device(mesh, 4, num_slots, False) and not slots.per_device(mesh, 4, num_slots, True)
+    assert not slots.per_device(parallel.make_mesh(data=2, fsdp=2, tensor=2), 4, 4, False)  # FSDP: the shared queue
     got = generate(sharded, ids, mask, slots=num_slots, **kw)
     assert_same_rollout(got, ref)
     for name in ("tokens", "response_ids", "log_probs", "truncated"):

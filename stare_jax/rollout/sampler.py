@@ -230,6 +230,23 @@ def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: in
     return spec
 
 
+def describe(spec: RolloutSpec, prompts: int) -> str:
+    """What `generate` runs for `prompts` prompts under `spec`, in words (the dry run's report line):
+    the static batch (compacting down to `compact_min_rows` rows when set) or the slot sampler with
+    its slots, and whether each batch shard of the mesh runs its own slot loop (`slots.per_device`)."""
+    if not spec.slots:
+        compacting = f", compacting down to {spec.compact_min_rows} rows" if spec.compact_min_rows else ""
+        return f"grouped_rollout{compacting}: prefill + KV-cache decode"
+    from stare_jax.rollout.slots import per_device
+
+    name = f"slot_rollout: {spec.slots} refilled decode slots"
+    if per_device(spec.mesh, prompts, spec.slots, False):
+        shards = parallel.batch_divisor(spec.mesh)
+        each = prompts // shards
+        name += f", one loop per device ({spec.slots // shards} slots over {each} prompt{'s' if each != 1 else ''} each)"
+    return name
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled_rollout(graphdef, spec: RolloutSpec, with_steps: bool = False):
     """The jitted rollout for one model structure and spec (jit caches per input shape):

@@ -69,8 +69,8 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   free slots the next entries of a queue of pending responses, the per-slot gather of uniforms
   (u(t_s, r_s), hashed per slot) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
   round trip: the loop's only condition is "any slot busy".
-* With a mesh each batch shard (data x fsdp, D of them) runs its own loop when D divides the
-  prompts and the slots (`per_device`, one `shard_map`): device d prefills its B / D prompts and
+* With a mesh each batch shard (D of them) runs its own loop when D divides the prompts and the
+  slots and the weights are not FSDP-sharded (`per_device`, one `shard_map`): device d prefills its B / D prompts and
   decodes their responses, rows d N / D onwards of the result, with S / D slots; its prompt cache,
   queue and [N / D, R] outputs are its own, and no collective runs inside the loop. This is the
   static sampler's split of rows (a device decodes the rows it holds) with refilling inside each
@@ -138,10 +138,13 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
 
 def per_device(mesh, prompts: int, slots: int, limited: bool) -> bool:
     """Whether the slot sampler runs one loop per batch shard of `mesh` (`_device_loops`): the D =
-    data x fsdp shards (D > 1) divide the prompts and the slots, and the rollout generates every
-    group (`num_groups`, dynamic sampling's "only the first groups", would leave the shards that hold
-    the later groups idle; it takes the shared queue)."""
-    if mesh is None or limited:
+    data x fsdp shards (D > 1) divide the prompts and the slots, the weights are not split over
+    `fsdp` (a loop per device takes them whole; FSDP-sharded weights stay sharded in the shared
+    queue, whose steps gather them as the static sampler's do; rollout meshes,
+    `mesh.rollout_devices`, are purely data-parallel), and the rollout generates every group
+    (`num_groups`, dynamic sampling's "only the first groups", would leave the shards that hold the
+    later groups idle; it takes the shared queue)."""
+    if mesh is None or limited or mesh.shape["fsdp"] > 1:
         return False
     shards = parallel.batch_divisor(mesh)
     return shards > 1 and prompts % shards == 0 and slots % shards == 0
@@ -155,8 +158,8 @@ def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, *
     are split D ways instead of replicated, and no collective runs inside the decode loop (each
     device's loop ends when its own responses have). Response r still takes uniforms u(t, r) of
     the global [R, N] array, so the responses are the single-device ones. The weights enter
-    replicated over the batch axes (FSDP shards are gathered once, before the loop); the `tensor`
-    axis stays automatic. Idle slots: a device whose responses end first waits for the others."""
+    replicated over the batch axes (as they are: `per_device` excludes FSDP); the `tensor` axis
+    stays automatic. Idle slots: a device whose responses end first waits for the others."""
     mesh, G = spec.mesh, spec.group_size
     B = prompt_ids.shape[0]
     shards, N = parallel.batch_divisor(mesh), B * G
