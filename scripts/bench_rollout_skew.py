@@ -277,7 +277,7 @@ def main() -> None:
                             "speedup_vs_static": round(useful / median / static_tps, 3)}
             continue
         rows = s if s > 0 else args.batch
-        loops = args.cpu_devices if slots.per_device(mesh, args.batch // args.group_size, min(rows, args.batch), False) else 1
+        loops = args.cpu_devices if slots.per_device(mesh, args.batch // args.group_size, min(rows, args.batch)) else 1
         plan = slots.schedule(lengths, rows, loops)
         entry = {"median_s": round(median, 4), "useful_tokens_per_s": round(useful / median, 1)}
         if s == 0:

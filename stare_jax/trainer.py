@@ -216,12 +216,16 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
 
     With the slot sampler (`rollout.slots`) a generation batch after the first generates only the
     groups it expects to need (`groups_to_generate`: the missing groups over the keep rate seen so
-    far in this step), not a whole batch; the sampler's loop ends when those are complete.
+    far in this step), not a whole batch; the sampler's loop ends when those are complete. Which
+    groups of the batch those are is the sampler's choice (`generated_groups`: the first ones, or
+    each device's first ones where every device runs its own slot loop); the buffer takes them in
+    batch order.
 
     With `mesh.rollout_devices` the sampler decodes on `parallel.rollout_mesh` (a copy of the
     model's weights placed there once per call); the batch comes back as host arrays either way.
     """
     from stare_jax.rollout import generate
+    from stare_jax.rollout.sampler import generated_groups
 
     G = config.rollout.group_size
     ds = config.dynamic_sampling
@@ -236,7 +240,9 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
         prompts = next(data_iter)
         B = len(prompts["ground_truth"]) * jax.process_count()
         limit = groups_to_generate(buffer, B) if config.rollout.slots and gen > 0 else None
-        used = B * G if limit is None else limit * G  # responses generated (group order: the first ones)
+        generated = np.ones(B, bool) if limit is None else generated_groups(
+            limit, B, group_size=G, slots=config.rollout.slots, mesh=mesh)
+        rows = np.repeat(generated, G)  # the responses generated
         t0 = time.perf_counter()
         prompt_ids, prompt_mask = global_prompts(config, prompts)
         prompt_lens.append(prompt_ids.shape[1])
@@ -255,14 +261,15 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
             "response_ids": result.response_ids, "truncated": result.truncated}.items()}
         t1 = time.perf_counter()
         own = parallel.local_slice(len(host["response_ids"]))
-        scored = slice(own.start, max(own.start, min(own.stop, used)))  # this host's generated rows
-        texts = decode_responses(tokenizer, host["response_ids"][scored], host["response_mask"][scored], eos_ids)
-        truths = np.repeat(np.asarray(prompts["ground_truth"]), G)[:len(texts)]
+        scored = rows[own]  # this host's generated rows
+        texts = decode_responses(tokenizer, host["response_ids"][own][scored], host["response_mask"][own][scored],
+                                 eos_ids)
+        truths = np.repeat(np.asarray(prompts["ground_truth"]), G)[scored]
         local_rewards, stats = pool.score(texts, list(truths))
         local = np.zeros(own.stop - own.start, np.float32)
-        local[:len(texts)] = local_rewards
-        rewards = parallel.gather_hosts(local)[:used]
-        host = {k: v[:used] for k, v in host.items()}
+        local[scored] = local_rewards
+        rewards = parallel.gather_hosts(local)[rows]
+        host = {k: v[rows] for k, v in host.items()}
         stat_keys = sorted(k for k in stats if k != "reward_s")
         totals = parallel.gather_hosts(np.asarray([[float(stats[k]) for k in stat_keys]])).sum(axis=0)
         t2 = time.perf_counter()
@@ -318,6 +325,7 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
     from stare_jax.eval_metrics import summarize
     from stare_jax.rewards import RewardPool
     from stare_jax.rollout import generate
+    from stare_jax.rollout.sampler import generated_groups
 
     n = config.eval.n
     model, mesh = parallel.rollout_placement(model, mesh, config.mesh.rollout_devices)

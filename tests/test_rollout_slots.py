@@ -110,14 +110,28 @@ def test_per_device_slot_loops_equal_static_hold_their_rows_and_no_loop_collecti
     mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
     shards = parallel.batch_divisor(mesh)
     sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
-    assert slots.per_device(mesh, 4, num_slots, False) and not slots.per_device(mesh, 4, num_slots, True)
-    assert not slots.per_device(parallel.make_mesh(data=2, fsdp=2, tensor=2), 4, 4, False)  # FSDP: the shared queue
+    assert slots.per_device(mesh, 4, num_slots)
+    assert not slots.per_device(parallel.make_mesh(data=2, fsdp=2, tensor=2), 4, 4)  # FSDP: the shared queue
     got = generate(sharded, ids, mask, slots=num_slots, **kw)
     assert_same_rollout(got, ref)
     for name in ("tokens", "response_ids", "log_probs", "truncated"):
         array = getattr(got, name)
         assert array.sharding.spec[0] == parallel.BATCH_AXES
         assert {s.data.shape[0] for s in array.addressable_shards} == {12 // shards}, name  # not replicated
+
+    # Dynamic sampling's top-up (`num_groups`): the groups spread over the devices, each device's
+    # first ones; those equal the full rollout's, the others come back empty.
+    for k in (1, 3):
+        limited = generate(sharded, ids, mask, slots=num_slots, num_groups=k, **kw)
+        chosen = sampler.generated_groups(k, 4, group_size=3, slots=num_slots, mesh=mesh)
+        assert chosen.sum() == k and chosen.tolist() == slots.wanted_groups(k, 4, shards).tolist()
+        rows = np.repeat(chosen, 3)
+        np.testing.assert_array_equal(np.asarray(limited.response_ids)[rows], np.asarray(ref.response_ids)[rows])
+        assert lengths_of(limited)[~rows].sum() == 0 and not np.asarray(limited.truncated)[~rows].any()
+    assert slots.wanted_groups(3, 4, 2).tolist() == [True, True, True, False]  # 2 + 1
+    assert slots.wanted_groups(1, 4, 2).tolist() == [True, False, False, False]
+    assert slots.wanted_groups(2, 4, 2).tolist() == [True, False, True, False]
+    assert slots.wanted_groups(3, 4, 1).tolist() == [True, True, True, False]
 
     graphdef, state = nnx.split(sharded.model)
     collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -414,16 +428,18 @@ class _ScriptedPool:
         return rewards, {"reward_s": 0.0, "reward_calls": len(texts)}
 
 
-@pytest.mark.parametrize("num_slots", [0, 4])
-def test_dynamic_sampling_with_slots_generates_only_the_missing_groups(tiny_model, num_slots):
+@pytest.mark.parametrize("num_slots,devices", [(0, 1), (4, 1), (4, 2)])
+def test_dynamic_sampling_with_slots_generates_only_the_missing_groups(tiny_model, num_slots, devices):
     """collect_batch with dynamic sampling: after a first batch keeps 3 of the 4 groups it needs,
     the slot sampler generates ceil(1 / (3/4)) = 2 groups of the next prompt batch (and the reward
-    function sees only those), where the static sampler generates and scores all 4."""
+    function sees only those), where the static sampler generates and scores all 4. On 2 devices,
+    each running its own slot loop, the 2 groups are each device's first (groups 0 and 2)."""
     from stare_jax.models import from_pretrained
     from stare_jax.trainer import collect_batch
 
     model_dir, _ = tiny_model
-    policy = from_pretrained(model_dir)
+    mesh = parallel.make_mesh(data=devices, devices=jax.devices()[:devices])
+    policy = from_pretrained(model_dir, mesh=mesh)
     c = config_lib.default_config()
     c.data.prompt_batch_size, c.rollout.group_size, c.rollout.max_new_tokens = 4, 4, 6
     c.data.max_prompt_len, c.data.prompt_bucket_multiple = 5, 0
@@ -435,11 +451,16 @@ def test_dynamic_sampling_with_slots_generates_only_the_missing_groups(tiny_mode
             yield {"prompt_ids": rs.randint(3, 20, (4, 5)).astype(np.int32), "prompt_mask": np.ones((4, 5), np.int32),
                    "ground_truth": np.array(["1"] * 4)}
 
-    pool = _ScriptedPool([[1, 1, 0, 1], [1, 0, 0, 0]], group_size=4)
-    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    pool = _ScriptedPool([[1, 1, 0, 1], [0, 1, 0, 0]], group_size=4)
     batch, metrics = collect_batch(c, policy.model, policy.tokenizer, prompt_batches(), pool, jax.random.key(0),
                                    eos_ids=(), pad_id=PAD, mesh=mesh)
     assert pool.scored == [16, 8 if num_slots else 16]
     assert metrics["dynamic_sampling_gen_batches"] == 2 and batch["rewards"].shape == (16,)
     assert metrics["dynamic_sampling_kept_frac"] == (4 / 6 if num_slots else 4 / 8)
     assert (batch["response_mask"].sum(axis=1) == 6).all()  # every kept response was generated
+    # The second batch's second generated group is the one kept: group 1 of the batch, or on two
+    # devices group 2 (device 1's first group; device 0 generated group 0).
+    kept = 2 if num_slots and devices == 2 else 1
+    replay = np.random.RandomState(0)
+    second = [replay.randint(3, 20, (4, 5)) for _ in range(2)][1]
+    np.testing.assert_array_equal(batch["input_ids"][12:16, :5], np.repeat(second[kept:kept + 1], 4, axis=0))

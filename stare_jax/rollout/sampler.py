@@ -144,9 +144,10 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     at most `stop_lengths[r]` tokens as if by EOS: its last token is replaced by the first EOS id
     (when there is one) and it counts as finished, not truncated. Benchmarks and tests use it to
     set response lengths independently of the model.
-    `num_groups` (slots only; traced) generates only the first that many prompts' groups, the
-    rest come back empty (response mask 0): what dynamic sampling asks for when it needs only a
-    few more groups (`slots.slot_rollout`).
+    `num_groups` (slots only; traced) generates only that many prompts' groups, the rest come back
+    empty (response mask 0): what dynamic sampling asks for when it needs only a few more groups.
+    Which ones: `generated_groups` (the first ones, or each device's first ones where every batch
+    shard runs its own slot loop, `slots.slot_rollout`).
     `decode_layout` (`rollout.decode_layout`): "features" runs the decode layers feature-major
     (`stare_jax.rollout.decode`), "rows" row-major, "auto" feature-major when the parameters live on
     CPU (where XLA's skinny matmuls are faster that way) and row-major elsewhere. The layouts
@@ -202,6 +203,17 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     return _compiled_rollout(graphdef, spec)(state, *inputs)
 
 
+def generated_groups(num_groups: int, prompts: int, *, group_size: int, slots: int, mesh: Mesh | None) -> np.ndarray:
+    """bool [prompts]: the groups `generate(..., slots=slots, num_groups=num_groups, mesh=mesh)`
+    generates for `prompts` prompts of `group_size` responses (`slots.wanted_groups`: the first
+    `num_groups`, or each batch shard's first ones when every shard runs its own loop)."""
+    from stare_jax.rollout.slots import per_device, wanted_groups
+
+    used = min(int(slots), prompts * int(group_size))
+    shards = parallel.batch_divisor(mesh) if per_device(mesh, prompts, used) else 1
+    return wanted_groups(int(num_groups), prompts, shards)
+
+
 def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: int, eos_ids: tuple[int, ...],
                  pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                  mesh: Mesh | None = None, decode_segments: int | None = None, slots: int = 0,
@@ -240,7 +252,7 @@ def describe(spec: RolloutSpec, prompts: int) -> str:
     from stare_jax.rollout.slots import per_device
 
     name = f"slot_rollout: {spec.slots} refilled decode slots"
-    if per_device(spec.mesh, prompts, spec.slots, False):
+    if per_device(spec.mesh, prompts, spec.slots):
         shards = parallel.batch_divisor(spec.mesh)
         each = prompts // shards
         name += f", one loop per device ({spec.slots // shards} slots over {each} prompt{'s' if each != 1 else ''} each)"
@@ -499,5 +511,5 @@ def _constraint(mesh: Mesh | None, spec: P):
     return lambda x: jax.lax.with_sharding_constraint(x, sharding)
 
 
-__all__ = ["RolloutResult", "RolloutSpec", "compaction_schedule", "decode_stages", "finish_tokens", "generate",
-           "grouped_rollout"]
+__all__ = ["RolloutResult", "RolloutSpec", "compaction_schedule", "decode_stages", "describe", "finish_tokens",
+           "generate", "generated_groups", "grouped_rollout", "rollout_spec"]

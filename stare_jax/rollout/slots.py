@@ -75,8 +75,8 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   queue and [N / D, R] outputs are its own, and no collective runs inside the loop. This is the
   static sampler's split of rows (a device decodes the rows it holds) with refilling inside each
   device; a device whose responses end first idles until the last device's end, as a static
-  device does. Otherwise (and for `num_groups`, whose wanted groups are the first ones, all on the
-  first devices) one loop serves a shared queue: the slots are split over the batch axes (when S
+  device does; with `num_groups` the wanted groups are spread over the devices, each device's
+  first ones (`wanted_groups`). Otherwise one loop serves a shared queue: the slots are split over the batch axes (when S
   divides), the prompt cache and the [N, R] outputs are replicated (refills gather any prompt;
   writes go to any response), and every step gathers the slots' tokens and reduces the loop's
   condition over the devices. KV heads follow the `tensor` axis in both, as in the static sampler.
@@ -117,40 +117,55 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     the slot groups' shared prompts (`aligned`); per device, the longest device loop's counts.
     Jit it with `graphdef`, `spec` and `with_steps` static.
 
-    `num_groups` (int32 scalar, traced) generates only the first that many groups: the responses of
-    later groups never take a slot and come back empty (response mask 0, not truncated), so the
-    loop ends as soon as the wanted groups are complete; the generated ones are those of a full
-    rollout with the same key.
+    `num_groups` (int32 scalar, traced) generates only that many groups (`wanted_groups`: the first
+    ones, or with a loop per device each device's first ones): the responses of the other groups
+    never take a slot and come back empty (response mask 0, not truncated), so the loop ends as
+    soon as the wanted groups are complete; the generated ones are those of a full rollout with the
+    same key.
 
-    With a mesh whose D batch shards divide both the B prompts and the slots, and no `num_groups`,
-    each device runs its own loop (`per_device`): S / D slots over its own B / D prompts' responses,
-    the rows it holds of the result."""
+    With a mesh whose D batch shards divide both the B prompts and the slots (and do not split the
+    weights), each device runs its own loop (`per_device`): S / D slots over its own B / D prompts'
+    responses, the rows it holds of the result."""
     global trace_count
     trace_count += 1
     B = prompt_ids.shape[0]
-    if per_device(spec.mesh, B, min(spec.slots, B * spec.group_size), num_groups is not None):
-        return _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, spec=spec,
+    shards = parallel.batch_divisor(spec.mesh) if per_device(spec.mesh, B, min(spec.slots, B * spec.group_size)) else 1
+    wanted = None if num_groups is None else wanted_groups(num_groups, B, shards, xp=jnp)
+    if shards > 1:
+        return _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, wanted, spec=spec,
                              with_steps=with_steps)
     model: Decoder = nnx.merge(graphdef, state)
-    result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, num_groups, spec=spec)
+    result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, wanted, spec=spec)
     return (result, steps) if with_steps else result
 
 
-def per_device(mesh, prompts: int, slots: int, limited: bool) -> bool:
+def per_device(mesh, prompts: int, slots: int) -> bool:
     """Whether the slot sampler runs one loop per batch shard of `mesh` (`_device_loops`): the D =
     data x fsdp shards (D > 1) divide the prompts and the slots, the weights are not split over
     `fsdp` (a loop per device takes them whole; FSDP-sharded weights stay sharded in the shared
     queue, whose steps gather them as the static sampler's do; rollout meshes,
-    `mesh.rollout_devices`, are purely data-parallel), and the rollout generates every group
-    (`num_groups`, dynamic sampling's "only the first groups", would leave the shards that hold the
-    later groups idle; it takes the shared queue)."""
-    if mesh is None or limited or mesh.shape["fsdp"] > 1:
+    `mesh.rollout_devices`, are purely data-parallel)."""
+    if mesh is None or mesh.shape["fsdp"] > 1:
         return False
     shards = parallel.batch_divisor(mesh)
     return shards > 1 and prompts % shards == 0 and slots % shards == 0
 
 
-def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, *, spec: RolloutSpec,
+def wanted_groups(num_groups, prompts: int, shards: int = 1, xp=np):
+    """bool [prompts]: the groups a rollout limited to `num_groups` groups generates (`xp` = np on
+    the host, jnp for a traced count). One loop (`shards` 1): the first `num_groups`. A loop per
+    batch shard (`per_device`): shard d's first k_d of its prompts / shards groups, k_d =
+    num_groups // shards, one more for the first num_groups % shards shards, so every device has
+    work while any does."""
+    group = xp.arange(prompts)
+    if shards == 1:
+        return group < num_groups
+    block = prompts // shards
+    shard = group // block
+    return group % block < num_groups // shards + (shard < num_groups % shards)
+
+
+def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, wanted, *, spec: RolloutSpec,
                   with_steps: bool):
     """The slot rollout as one `jax.shard_map` over the mesh's batch axes: device d decodes the
     responses of its own B / D prompts (rows d N / D .. (d + 1) N / D - 1, whole groups) with S / D
@@ -166,27 +181,29 @@ def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, *
     local_spec = dataclasses.replace(spec, mesh=None, slots=min(spec.slots, N) // shards)
     rows = P(parallel.BATCH_AXES)
 
-    def local(state, prompt_ids, prompt_mask, rng, stop_lengths):
+    def local(state, prompt_ids, prompt_mask, rng, stop_lengths, wanted):
         model: Decoder = nnx.merge(graphdef, state)
         model.mesh = None  # no sharding constraints on the manual batch axes inside the region
         offset = jax.lax.axis_index(parallel.BATCH_AXES) * (N // shards)
-        result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, None, spec=local_spec,
+        result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, wanted, spec=local_spec,
                                    offset=offset, total=N)
         return result, jax.lax.pmax(steps, parallel.BATCH_AXES)
 
-    stop_spec = None if stop_lengths is None else rows
-    result, steps = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), stop_spec),
+    optional = lambda x: None if x is None else rows  # noqa: E731
+    result, steps = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), optional(stop_lengths),
+                                                              optional(wanted)),
                                   out_specs=(rows, P()), axis_names=set(parallel.BATCH_AXES),
-                                  check_vma=False)(state, prompt_ids, prompt_mask, rng, stop_lengths)
+                                  check_vma=False)(state, prompt_ids, prompt_mask, rng, stop_lengths, wanted)
     return (result, steps) if with_steps else result
 
 
 def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
-               stop_lengths: jax.Array | None, num_groups: jax.Array | None, *, spec: RolloutSpec,
+               stop_lengths: jax.Array | None, chosen: jax.Array | None, *, spec: RolloutSpec,
                offset=0, total: int | None = None) -> tuple[RolloutResult, jax.Array]:
-    """The slot loop over the B prompts' responses (`slot_rollout`): (result, steps). Response r of
-    these is response `offset` + r of a rollout of `total` responses (default B G) for its
-    sampling uniforms, so a device's share of a larger rollout draws what the whole one would."""
+    """The slot loop over the B prompts' responses (`slot_rollout`): (result, steps); `chosen` (bool
+    [B], optional) limits it to those prompts' groups. Response r of these is response `offset` + r
+    of a rollout of `total` responses (default B G) for its sampling uniforms, so a device's share
+    of a larger rollout draws what the whole one would."""
     B, prompt_len = prompt_ids.shape
     G, R = spec.group_size, spec.max_new_tokens
     N = B * G
@@ -212,7 +229,7 @@ def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rn
                           replicated(uniforms(jnp.zeros((N,), jnp.int32), offset + jnp.arange(N, dtype=jnp.int32))), spec.sampling)
     first, first_ends = finish_tokens(first, 0, stop, spec.eos_ids)
     first_logp = token_log_probs(first_logits, first)
-    wanted = jnp.ones((N,), bool) if num_groups is None else jnp.arange(N) // G < num_groups
+    wanted = jnp.ones((N,), bool) if chosen is None else jnp.repeat(chosen, G, total_repeat_length=N)
     single = first_ends | (R == 1) | ~wanted
     ids = replicated(jnp.full((N, R), spec.pad_id, jnp.int32).at[:, 0].set(jnp.where(wanted, first, spec.pad_id)))
     logps = replicated(jnp.zeros((N, R), jnp.float32).at[:, 0].set(jnp.where(wanted, first_logp, 0.0)))
@@ -412,4 +429,4 @@ def _loop_steps(work: np.ndarray, s: int) -> int:
     return steps
 
 
-__all__ = ["REFILL_LANES", "per_device", "schedule", "slot_rollout"]
+__all__ = ["REFILL_LANES", "per_device", "schedule", "slot_rollout", "wanted_groups"]
