@@ -266,7 +266,8 @@ def main() -> None:
     for s, name in names.items():
         median = statistics.median(times[s])
         if isinstance(s, tuple):
-            plan = sampler.compaction_schedule(lengths, sampler.decode_stages(args.batch, s[1], args.cpu_devices))
+            loops = sampler.rollout_shards(mesh, args.batch // args.group_size, args.group_size, compact_min_rows=s[1])
+            plan = sampler.compaction_schedule(lengths, sampler.decode_stages(args.batch, s[1], args.cpu_devices), loops)
             if (plan["decode_steps"], plan["row_steps"]) != device_steps[s]:
                 raise AssertionError(f"compaction schedule {plan['decode_steps']}, {plan['row_steps']} != device "
                                      f"{device_steps[s]} (decode steps, row steps)")
@@ -277,7 +278,7 @@ def main() -> None:
                             "speedup_vs_static": round(useful / median / static_tps, 3)}
             continue
         rows = s if s > 0 else args.batch
-        loops = args.cpu_devices if slots.per_device(mesh, args.batch // args.group_size, min(rows, args.batch)) else 1
+        loops = sampler.rollout_shards(mesh, args.batch // args.group_size, args.group_size, slots=min(rows, args.batch))
         plan = slots.schedule(lengths, rows, loops)
         entry = {"median_s": round(median, 4), "useful_tokens_per_s": round(useful / median, 1)}
         if s == 0:

@@ -137,7 +137,7 @@ def test_slots_compile_the_slot_sampler_whose_cache_fits(dry_runs):
     assert rollout["sampler"] == ("slot_rollout: 32 refilled decode slots, one loop per device (4 slots over 8 "
                                   "prompts each)") and "slot_rollout" in out
     assert report["fits"] is True and "FITS" in out
-    # 4 slots a device instead of 64 rows, in a loop per device (`slots.per_device`): each device
+    # 4 slots a device instead of 64 rows, in a loop per device (`sampler.rollout_shards`): each device
     # holds its own 64 responses' [64, R] outputs, not the whole [512, R] (6.7 GiB a device when
     # every device held all of them; 10.6 GiB before that, with a replicated [R, N] array of
     # sampling uniforms). What remains is mostly the device's share of the result itself (1.3 GB).

@@ -14,7 +14,8 @@ from stare_jax.models import from_pretrained
 from stare_jax.rollout import generate, sampler
 from tests import hf_fixtures
 from tests.test_rollout import policies, prompts  # noqa: F401  (the same tiny policies and prompts)
-from tests.test_rollout_slots import PAD, SAMPLED, assert_rollout_count_key, assert_same_rollout, lengths_of
+from tests.test_rollout_slots import (PAD, SAMPLED, assert_rollout_count_key, assert_same_rollout, lengths_of,
+                                      rollout_loop_collectives)
 
 
 def device_steps(policy, ids, mask, rng, stop, *, min_rows, **kw):
@@ -86,6 +87,42 @@ def test_compaction_on_a_mesh_with_filtered_sampling(tiny_checkpoints, policies)
     assert sampler.compaction_schedule(lengths_of(ref), [8, 4])["stages"][1][1] > 0
 
 
+@pytest.mark.parametrize("layout,min_rows", [(dict(data=4, tensor=2), 4), (dict(data=2), 2)],
+                         ids=["dp4-tp2", "dp2"])
+def test_per_device_compaction_equals_static_and_moves_no_row_between_devices(tiny_checkpoints, policies, layout,
+                                                                              min_rows):
+    """On a mesh whose batch shards divide the prompts (weights not FSDP-sharded) a compacting
+    rollout runs one loop per device (`sampler.rollout_shards`), each compacting its own rows: the
+    one-device static sampler's responses, outputs split over the batch axes, no collective inside
+    any while loop beyond tensor parallelism's own (the one-program form on an FSDP mesh gathers
+    rows in every step), and the devices' steps and rows stepped as `compaction_schedule(...,
+    shards=D)` replays them."""
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 5, 1), total=7)
+    stop = np.array([10, 2, 7, 10, 1, 3, 1, 2, 4, 9, 2, 2, 8, 1, 1, 3], np.int32)
+    kw = dict(group_size=4, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9)
+    ref = generate(policies["qwen3"], ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)
+    mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
+    shards = parallel.batch_divisor(mesh)
+    assert sampler.rollout_shards(mesh, 4, 4, compact_min_rows=min_rows) == shards
+    assert sampler.rollout_shards(mesh, 4, 4) == 1  # no compaction: one program (its loop holds no collective)
+    sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
+    got = generate(sharded, ids, mask, rng=jax.random.key(9), stop_lengths=stop, compact_min_rows=min_rows, **kw)
+    assert_same_rollout(got, ref)
+    for name in ("tokens", "response_ids", "log_probs"):
+        assert {s.data.shape[0] for s in getattr(got, name).addressable_shards} == {16 // shards}, name
+    inside, steps = rollout_loop_collectives(sharded, mesh, (ids, mask, jax.random.key(9), stop), rows=16,
+                                             compact_min_rows=min_rows, **kw)
+    assert not inside
+    stages = sampler.decode_stages(16, min_rows, shards)
+    plan = sampler.compaction_schedule(lengths_of(ref), stages, shards)
+    assert len(stages) > 2 and any(k > 0 for shard in plan["stages"] for _, k in shard[1:])  # it compacted
+    assert (int(steps[0]), int(steps[1])) == (plan["decode_steps"], plan["row_steps"])
+    fsdp = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    on_fsdp = from_pretrained(tiny_checkpoints["qwen3"], mesh=fsdp, load_tokenizer=False)
+    assert rollout_loop_collectives(on_fsdp, fsdp, (ids, mask, jax.random.key(9), stop), rows=16,
+                                    compact_min_rows=min_rows, **kw)[0]
+
+
 def test_new_length_outcomes_do_not_recompile(policies):
     ids, mask = prompts()
     model = policies["qwen2"]
@@ -109,6 +146,13 @@ def test_decode_stages_and_schedule_by_hand():
     assert plan["decode_steps"] == 4 and plan["row_steps"] == 14 and plan["busy_row_steps"] == 10
     assert plan["stages"] == [[5, 2], [2, 2]] and plan["idle_share"] == pytest.approx(4 / 14)
     assert sampler.compaction_schedule([1, 1], [2, 1])["decode_steps"] == 0
+    # Two shards, [5, 1, 2, 3] and [4, 1, 2, 1], each on stages 4, 2: live before steps 1..4 = 3, 2,
+    # 2, 1 -> 4, 2, 2, 2 rows; and before steps 1..3 = 2, 1, 1 -> 2, 2, 2 rows.
+    plan = sampler.compaction_schedule([5, 1, 2, 3, 4, 1, 2, 1], [8, 4], shards=2)
+    assert plan["decode_steps"] == 4 and plan["row_steps"] == 10 + 6 and plan["busy_row_steps"] == 7 + 4
+    assert plan["stages"] == [[[4, 1], [2, 3]], [[4, 0], [2, 3]]]
+    with pytest.raises(ValueError, match="shards"):
+        sampler.compaction_schedule([5, 1, 2], [3], shards=2)
 
 
 def test_rejects_bad_compact_min_rows(policies, capsys):

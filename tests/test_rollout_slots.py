@@ -90,18 +90,37 @@ def test_filtered_sampling_and_sharded_slots_equal_static(tiny_checkpoints, poli
     assert_same_rollout(multi, ref)
 
 
+def rollout_loop_collectives(policy, mesh, inputs, **spec_args):
+    """([collectives inside the compiled rollout's while loops that span more than one `tensor`
+    group], the rollout's int32 [2] steps) for `sampler.rollout_spec(**spec_args)` on `mesh`, run on
+    `inputs` (prompt ids, mask, key, stop lengths; placed replicated as `generate` places them).
+    Tensor parallelism's own sums (the heads' partial products) are the only ones a loop may hold."""
+    import re
+
+    from tests.test_rl_logprobs import _while_bodies
+    graphdef, state = nnx.split(policy.model)
+    ids, mask, rng, stop = inputs
+    placed = jax.device_put((jax.numpy.asarray(ids, np.int32), jax.numpy.asarray(mask, np.int32), rng,
+                             jax.numpy.asarray(stop, np.int32)), parallel.replicated(mesh))
+    spec = sampler.rollout_spec(policy.model.dtype, state, pad_id=PAD, mesh=mesh, **spec_args)
+    compiled = sampler._compiled_rollout(graphdef, spec, True)
+    bodies = _while_bodies(compiled.lower(state, *placed).compile().as_text())
+    assert bodies
+    collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+    tensor_only = f"replica_groups=[{mesh.size // mesh.shape['tensor']},{mesh.shape['tensor']}]<=[{mesh.size}]"
+    found = [line.strip() for body in bodies.values() for line in body.splitlines() if collective.search(line)]
+    return [line for line in found if tensor_only not in line], compiled(state, *placed)[1]
+
+
 @pytest.mark.parametrize("layout,num_slots", [(dict(data=4, tensor=2), 4), (dict(data=2), 6)],
                          ids=["dp4-tp2-1slot", "dp2-3slots"])
 def test_per_device_slot_loops_equal_static_hold_their_rows_and_no_loop_collective(tiny_checkpoints, policies,
                                                                                    layout, num_slots):
     """With a mesh whose batch shards divide the prompts and the slots, each device runs its own
-    slot loop over its own prompts' responses (`slots.per_device`): the single-device static
+    slot loop over its own prompts' responses (`sampler.rollout_shards`): the single-device static
     sampler's responses, every output split over the batch axes, no collective inside any while
     loop (the shared-queue form, with slots that do not divide, gathers inside its loop), and the
     longest device loop's decode steps as `slots.schedule(..., shards=D)` replays them."""
-    import re
-
-    from tests.test_rl_logprobs import _while_bodies
     ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 5, 1), total=7)
     stop = np.array([10, 2, 7, 10, 4, 9, 1, 6, 3, 8, 2, 5], np.int32)
     kw = dict(rng=jax.random.key(9), group_size=3, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9,
@@ -110,8 +129,8 @@ def test_per_device_slot_loops_equal_static_hold_their_rows_and_no_loop_collecti
     mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
     shards = parallel.batch_divisor(mesh)
     sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
-    assert slots.per_device(mesh, 4, num_slots)
-    assert not slots.per_device(parallel.make_mesh(data=2, fsdp=2, tensor=2), 4, 4)  # FSDP: the shared queue
+    assert sampler.rollout_shards(mesh, 4, 3, num_slots) == shards > 1
+    assert sampler.rollout_shards(parallel.make_mesh(data=2, fsdp=2, tensor=2), 4, 3, 4) == 1  # FSDP: the shared queue
     got = generate(sharded, ids, mask, slots=num_slots, **kw)
     assert_same_rollout(got, ref)
     for name in ("tokens", "response_ids", "log_probs", "truncated"):
@@ -133,22 +152,12 @@ def test_per_device_slot_loops_equal_static_hold_their_rows_and_no_loop_collecti
     assert slots.wanted_groups(2, 4, 2).tolist() == [True, False, True, False]
     assert slots.wanted_groups(3, 4, 1).tolist() == [True, True, True, False]
 
-    graphdef, state = nnx.split(sharded.model)
-    collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-    inputs = jax.device_put((jax.numpy.asarray(ids, np.int32), jax.numpy.asarray(mask, np.int32), jax.random.key(9),
-                             jax.numpy.asarray(stop)), parallel.replicated(mesh))
-
-    tensor_only = f"replica_groups=[{shards},{mesh.shape['tensor']}]<=[{mesh.size}]"  # groups along `tensor`
+    inputs = (ids, mask, jax.random.key(9), stop)
 
     def loop_collectives(num):
         """(the while-loop collectives over more than the tensor axis, the loop's decode steps)."""
-        spec = sampler.rollout_spec(sharded.model.dtype, state, rows=12, group_size=3, max_new_tokens=10,
-                                    eos_ids=(2, 5), pad_id=0, temperature=0.9, mesh=mesh, slots=num)
-        compiled = sampler._compiled_rollout(graphdef, spec, True)
-        bodies = _while_bodies(compiled.lower(state, *inputs).compile().as_text())
-        assert bodies
-        found = [line.strip() for body in bodies.values() for line in body.splitlines() if collective.search(line)]
-        return [line for line in found if tensor_only not in line], compiled(state, *inputs)[1]
+        return rollout_loop_collectives(sharded, mesh, inputs, rows=12, group_size=3, max_new_tokens=10,
+                                        eos_ids=(2, 5), temperature=0.9, slots=num)
 
     inside, steps = loop_collectives(num_slots)
     assert not inside  # (tensor parallelism's own sums stay: the heads' partial products)

@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stare_jax import gpu_gemm as gpu_gemm_lib, parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
-from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs
+from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs, uniforms_at
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -207,11 +207,9 @@ def generated_groups(num_groups: int, prompts: int, *, group_size: int, slots: i
     """bool [prompts]: the groups `generate(..., slots=slots, num_groups=num_groups, mesh=mesh)`
     generates for `prompts` prompts of `group_size` responses (`slots.wanted_groups`: the first
     `num_groups`, or each batch shard's first ones when every shard runs its own loop)."""
-    from stare_jax.rollout.slots import per_device, wanted_groups
+    from stare_jax.rollout.slots import wanted_groups
 
-    used = min(int(slots), prompts * int(group_size))
-    shards = parallel.batch_divisor(mesh) if per_device(mesh, prompts, used) else 1
-    return wanted_groups(int(num_groups), prompts, shards)
+    return wanted_groups(int(num_groups), prompts, rollout_shards(mesh, prompts, group_size, slots))
 
 
 def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: int, eos_ids: tuple[int, ...],
@@ -245,18 +243,16 @@ def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: in
 def describe(spec: RolloutSpec, prompts: int) -> str:
     """What `generate` runs for `prompts` prompts under `spec`, in words (the dry run's report line):
     the static batch (compacting down to `compact_min_rows` rows when set) or the slot sampler with
-    its slots, and whether each batch shard of the mesh runs its own slot loop (`slots.per_device`)."""
+    its slots, and whether each batch shard of the mesh runs its own loop (`rollout_shards`)."""
+    shards = rollout_shards(spec.mesh, prompts, spec.group_size, spec.slots, spec.compact_min_rows)
+    each = prompts // shards
+    prompts_each = f"{each} prompt{'s' if each != 1 else ''} each"
     if not spec.slots:
         compacting = f", compacting down to {spec.compact_min_rows} rows" if spec.compact_min_rows else ""
-        return f"grouped_rollout{compacting}: prefill + KV-cache decode"
-    from stare_jax.rollout.slots import per_device
-
-    name = f"slot_rollout: {spec.slots} refilled decode slots"
-    if per_device(spec.mesh, prompts, spec.slots):
-        shards = parallel.batch_divisor(spec.mesh)
-        each = prompts // shards
-        name += f", one loop per device ({spec.slots // shards} slots over {each} prompt{'s' if each != 1 else ''} each)"
-    return name
+        loops = f", one loop per device ({prompts_each})" if shards > 1 else ""
+        return f"grouped_rollout{compacting}{loops}: prefill + KV-cache decode"
+    loops = f", one loop per device ({spec.slots // shards} slots over {prompts_each})" if shards > 1 else ""
+    return f"slot_rollout: {spec.slots} refilled decode slots{loops}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -288,10 +284,76 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     up to R tokens for each of the G rows per prompt (response r stops after at most
     `stop_lengths[r]` tokens, see `generate`). Jit it with `graphdef` and `spec` static.
     `with_steps`: returns (result, int32 [2]: decode steps, rows stepped summed over them), which
-    `compaction_schedule` replays on the host."""
+    `compaction_schedule` replays on the host.
+
+    A compacting rollout on a mesh of several batch shards that divide the prompts (and do not
+    split the weights) runs one loop per device (`rollout_shards`): each device compacts its own
+    rows, so no step gathers rows across devices; the steps are then the longest device loop's and
+    the rows stepped the devices' sum."""
     global trace_count
     trace_count += 1
+    B = prompt_ids.shape[0]
+    G, R = spec.group_size, spec.max_new_tokens
+    N = B * G
+    shards = rollout_shards(spec.mesh, B, G, compact_min_rows=spec.compact_min_rows)
+    if shards > 1:
+        local_spec = dataclasses.replace(spec, mesh=None, compact_min_rows=-(-spec.compact_min_rows // shards))
+
+        def local(state, prompt_ids, prompt_mask, rng, stop_lengths):
+            model: Decoder = nnx.merge(graphdef, state)
+            model.mesh = None  # no sharding constraints on the manual batch axes inside the region
+            n = N // shards
+            offset = jax.lax.axis_index(parallel.BATCH_AXES) * n
+            uniforms = None
+            if not spec.sampling.greedy:  # this device's columns of the [R, N] array
+                t, r = jnp.meshgrid(jnp.arange(R, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32), indexing="ij")
+                uniforms = uniforms_at(rng, (R, N))(t, offset + r)
+            result, steps = _grouped_loop(model, prompt_ids, prompt_mask, uniforms, stop_lengths, spec=local_spec,
+                                          with_steps=with_steps)
+            if not with_steps:
+                return result, jnp.zeros((2,), jnp.int32)
+            return result, jnp.stack([jax.lax.pmax(steps[0], parallel.BATCH_AXES),
+                                      jax.lax.psum(steps[1], parallel.BATCH_AXES)])
+
+        rows = P(parallel.BATCH_AXES)
+        result, steps = jax.shard_map(local, mesh=spec.mesh,
+                                      in_specs=(P(), rows, rows, P(), None if stop_lengths is None else rows),
+                                      out_specs=(rows, P()), axis_names=set(parallel.BATCH_AXES),
+                                      check_vma=False)(state, prompt_ids, prompt_mask, rng, stop_lengths)
+        return (result, steps) if with_steps else result
     model: Decoder = nnx.merge(graphdef, state)
+    uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
+        jax.random.uniform(rng, (R, N), jnp.float32))
+    result, steps = _grouped_loop(model, prompt_ids, prompt_mask, uniforms, stop_lengths, spec=spec,
+                                  with_steps=with_steps)
+    return (result, steps) if with_steps else result
+
+
+def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int = 0, compact_min_rows: int = 0) -> int:
+    """How many independent loops a rollout of `prompts` x `group_size` responses runs on `mesh`:
+    one per batch shard (D = data x fsdp > 1) where D divides the prompts, the weights are not split
+    over `fsdp` (each loop takes them whole; rollout meshes, `mesh.rollout_devices`, are purely
+    data-parallel) and the sampler would otherwise move rows between devices inside its loop: the
+    slot sampler with a multiple of D slots (its queue, `slots.slot_rollout`), or the static one
+    compacting (`compact_min_rows`, at least one compaction stage); else 1, one program over the
+    mesh (the static batch without compaction holds no collective in its loop as it is)."""
+    if mesh is None or mesh.shape["fsdp"] > 1:
+        return 1
+    shards = parallel.batch_divisor(mesh)
+    if shards == 1 or prompts % shards:
+        return 1
+    if slots:
+        return shards if min(slots, prompts * group_size) % shards == 0 else 1
+    stages = decode_stages(prompts * group_size, compact_min_rows, shards)
+    return shards if len(stages) > 1 else 1
+
+
+def _grouped_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, uniforms: jax.Array | None,
+                  stop_lengths: jax.Array | None, *, spec: RolloutSpec, with_steps: bool
+                  ) -> tuple[RolloutResult, jax.Array | None]:
+    """The static sampler's prefill and decode loops (`grouped_rollout`) with the [R, N] sampling
+    uniforms given (None: greedy): (result, int32 [2] decode steps and rows stepped when
+    `with_steps`, else None)."""
     B, prompt_len = prompt_ids.shape
     G, R = spec.group_size, spec.max_new_tokens
     N = B * G
@@ -310,8 +372,6 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     layers = layer_params(model, spec.feature_major)
     rope = rope_table(model.config, prompt_len + R)  # built once, outside the decode loops
 
-    uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
-        jax.random.uniform(rng, (R, N), jnp.float32))
     outputs = (rows(jnp.zeros((N,), bool)), rows(jnp.full((N, R), spec.pad_id, jnp.int32)),
                rows(jnp.zeros((N, R), jnp.int32)), rows(jnp.zeros((N, R), jnp.float32)))
     whole = _Stage(None, prompt, prompt_lengths)
@@ -366,7 +426,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
                            attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
                            response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
                            prompt_len=prompt_len)
-    return (result, steps) if with_steps else result
+    return result, steps
 
 
 def decode_stages(rows: int, min_rows: int, divisor: int = 1) -> list[int]:
@@ -379,13 +439,24 @@ def decode_stages(rows: int, min_rows: int, divisor: int = 1) -> list[int]:
     return stages
 
 
-def compaction_schedule(lengths, stages: list[int]) -> dict:
+def compaction_schedule(lengths, stages: list[int], shards: int = 1) -> dict:
     """Replays a (compacting) static rollout on the host from its response lengths (int [N],
     tokens per response incl. EOS; token 0 comes from the prefill, so a response of length L is
     live for decode steps 1 .. L-1): before step t the batch moves to the smallest of `stages`
     (`decode_stages`) that holds every live row. Returns {"decode_steps", "row_steps" (rows stepped,
-    summed over the steps), "busy_row_steps", "idle_share", "stages": [[rows, steps], ...]}."""
+    summed over the steps), "busy_row_steps", "idle_share", "stages": [[rows, steps], ...]}.
+    `shards` > 1 replays the per-device loops (`rollout_shards`): shard d compacts its contiguous
+    N / shards responses through stages / shards rows by itself; the longest shard sets
+    "decode_steps", "row_steps" sums what the shards stepped, and "stages" lists each shard's."""
     lengths = np.asarray(lengths, np.int64)
+    if shards > 1:
+        if len(lengths) % shards or any(n % shards for n in stages):
+            raise ValueError(f"{shards} shards must divide the {len(lengths)} responses and the stages {stages}")
+        parts = [compaction_schedule(part, [n // shards for n in stages]) for part in np.split(lengths, shards)]
+        row_steps, busy = sum(p["row_steps"] for p in parts), sum(p["busy_row_steps"] for p in parts)
+        return {"decode_steps": max(p["decode_steps"] for p in parts), "row_steps": row_steps,
+                "busy_row_steps": busy, "idle_share": 0.0 if row_steps == 0 else 1.0 - busy / row_steps,
+                "stages": [p["stages"] for p in parts]}
     stage, row_steps, per_stage = 0, 0, [0] * len(stages)
     for t in range(1, int(lengths.max(initial=0))):
         live = int((lengths > t).sum())
@@ -512,4 +583,4 @@ def _constraint(mesh: Mesh | None, spec: P):
 
 
 __all__ = ["RolloutResult", "RolloutSpec", "compaction_schedule", "decode_stages", "describe", "finish_tokens",
-           "generate", "generated_groups", "grouped_rollout", "rollout_spec"]
+           "generate", "generated_groups", "grouped_rollout", "rollout_shards", "rollout_spec"]

@@ -70,16 +70,17 @@ Design, and why (reasoned for CPU and GPU, where decode is bound by reading weig
   (u(t_s, r_s), hashed per slot) and a scatter of S tokens and log-probs into the [N, R] outputs. No host
   round trip: the loop's only condition is "any slot busy".
 * With a mesh each batch shard (D of them) runs its own loop when D divides the prompts and the
-  slots and the weights are not FSDP-sharded (`per_device`, one `shard_map`): device d prefills its B / D prompts and
-  decodes their responses, rows d N / D onwards of the result, with S / D slots; its prompt cache,
-  queue and [N / D, R] outputs are its own, and no collective runs inside the loop. This is the
-  static sampler's split of rows (a device decodes the rows it holds) with refilling inside each
-  device; a device whose responses end first idles until the last device's end, as a static
-  device does; with `num_groups` the wanted groups are spread over the devices, each device's
-  first ones (`wanted_groups`). Otherwise one loop serves a shared queue: the slots are split over the batch axes (when S
-  divides), the prompt cache and the [N, R] outputs are replicated (refills gather any prompt;
-  writes go to any response), and every step gathers the slots' tokens and reduces the loop's
-  condition over the devices. KV heads follow the `tensor` axis in both, as in the static sampler.
+  slots and the weights are not FSDP-sharded (`sampler.rollout_shards`; one `shard_map`): device
+  d prefills its B / D prompts and decodes their responses, rows d N / D onwards of the result,
+  with S / D slots; its prompt cache, queue and [N / D, R] outputs are its own, and no collective
+  runs inside the loop. This is the static sampler's split of rows (a device decodes the rows it
+  holds) with refilling inside each device; a device whose responses end first idles until the
+  last device's end, as a static device does; with `num_groups` the wanted groups are spread
+  over the devices, each device's first ones (`wanted_groups`). Otherwise one loop serves a
+  shared queue: the slots are split over the batch axes (when S divides), the prompt cache and
+  the [N, R] outputs are replicated (refills gather any prompt; writes go to any response), and
+  every step gathers the slots' tokens and reduces the loop's condition over the devices. KV
+  heads follow the `tensor` axis in both, as in the static sampler.
 
 Idle slot-steps remain only at the end (fewer pending responses than slots) and for slots beyond
 the responses left; `schedule` replays the slot assignment on the host from the response lengths
@@ -124,12 +125,12 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     same key.
 
     With a mesh whose D batch shards divide both the B prompts and the slots (and do not split the
-    weights), each device runs its own loop (`per_device`): S / D slots over its own B / D prompts'
-    responses, the rows it holds of the result."""
+    weights), each device runs its own loop (`sampler.rollout_shards`): S / D slots over its own
+    B / D prompts' responses, the rows it holds of the result."""
     global trace_count
     trace_count += 1
     B = prompt_ids.shape[0]
-    shards = parallel.batch_divisor(spec.mesh) if per_device(spec.mesh, B, min(spec.slots, B * spec.group_size)) else 1
+    shards = sampler.rollout_shards(spec.mesh, B, spec.group_size, spec.slots)
     wanted = None if num_groups is None else wanted_groups(num_groups, B, shards, xp=jnp)
     if shards > 1:
         return _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, wanted, spec=spec,
@@ -139,24 +140,12 @@ def slot_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Array,
     return (result, steps) if with_steps else result
 
 
-def per_device(mesh, prompts: int, slots: int) -> bool:
-    """Whether the slot sampler runs one loop per batch shard of `mesh` (`_device_loops`): the D =
-    data x fsdp shards (D > 1) divide the prompts and the slots, the weights are not split over
-    `fsdp` (a loop per device takes them whole; FSDP-sharded weights stay sharded in the shared
-    queue, whose steps gather them as the static sampler's do; rollout meshes,
-    `mesh.rollout_devices`, are purely data-parallel)."""
-    if mesh is None or mesh.shape["fsdp"] > 1:
-        return False
-    shards = parallel.batch_divisor(mesh)
-    return shards > 1 and prompts % shards == 0 and slots % shards == 0
-
-
 def wanted_groups(num_groups, prompts: int, shards: int = 1, xp=np):
     """bool [prompts]: the groups a rollout limited to `num_groups` groups generates (`xp` = np on
     the host, jnp for a traced count). One loop (`shards` 1): the first `num_groups`. A loop per
-    batch shard (`per_device`): shard d's first k_d of its prompts / shards groups, k_d =
-    num_groups // shards, one more for the first num_groups % shards shards, so every device has
-    work while any does."""
+    batch shard (`sampler.rollout_shards`): shard d's first k_d of its prompts / shards groups,
+    k_d = num_groups // shards, one more for the first num_groups % shards shards, so every device
+    has work while any does."""
     group = xp.arange(prompts)
     if shards == 1:
         return group < num_groups
@@ -173,8 +162,9 @@ def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, w
     are split D ways instead of replicated, and no collective runs inside the decode loop (each
     device's loop ends when its own responses have). Response r still takes uniforms u(t, r) of
     the global [R, N] array, so the responses are the single-device ones. The weights enter
-    replicated over the batch axes (as they are: `per_device` excludes FSDP); the `tensor` axis
-    stays automatic. Idle slots: a device whose responses end first waits for the others."""
+    replicated over the batch axes (as they are: `sampler.rollout_shards` excludes FSDP); the
+    `tensor` axis stays automatic. Idle slots: a device whose responses end first waits for the
+    others."""
     mesh, G = spec.mesh, spec.group_size
     B = prompt_ids.shape[0]
     shards, N = parallel.batch_divisor(mesh), B * G
@@ -392,9 +382,9 @@ def schedule(lengths, slots: int, shards: int = 1) -> dict:
     "idle_share"} of the slot sampler with `slots` slots, and the same for the static sampler
     ("static_decode_steps", ...: N rows until the longest response ends). Token 0 of every
     response comes from the prefill, so a response of length L is busy for L - 1 decode steps.
-    `shards` > 1 replays the per-device loops (`per_device`): shard d runs slots / shards slots over
-    its contiguous N / shards responses, the longest shard sets the decode steps, and a shard's
-    slots idle while it waits for the others."""
+    `shards` > 1 replays the per-device loops (`sampler.rollout_shards`): shard d runs slots /
+    shards slots over its contiguous N / shards responses, the longest shard sets the decode steps,
+    and a shard's slots idle while it waits for the others."""
     lengths = np.asarray(lengths, np.int64)
     n = len(lengths)
     s = min(int(slots), n)
@@ -429,4 +419,4 @@ def _loop_steps(work: np.ndarray, s: int) -> int:
     return steps
 
 
-__all__ = ["REFILL_LANES", "per_device", "schedule", "slot_rollout", "wanted_groups"]
+__all__ = ["REFILL_LANES", "schedule", "slot_rollout", "wanted_groups"]
