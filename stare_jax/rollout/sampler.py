@@ -299,15 +299,12 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     if shards > 1:
         local_spec = dataclasses.replace(spec, mesh=None, compact_min_rows=-(-spec.compact_min_rows // shards))
 
-        def local(state, prompt_ids, prompt_mask, rng, stop_lengths):
-            model: Decoder = nnx.merge(graphdef, state)
-            model.mesh = None  # no sharding constraints on the manual batch axes inside the region
+        def loop(model, shard, rng, prompt_ids, prompt_mask, stop_lengths):
             n = N // shards
-            offset = jax.lax.axis_index(parallel.BATCH_AXES) * n
             uniforms = None
             if not spec.sampling.greedy:  # this device's columns of the [R, N] array
                 t, r = jnp.meshgrid(jnp.arange(R, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32), indexing="ij")
-                uniforms = uniforms_at(rng, (R, N))(t, offset + r)
+                uniforms = uniforms_at(rng, (R, N))(t, shard * n + r)
             result, steps = _grouped_loop(model, prompt_ids, prompt_mask, uniforms, stop_lengths, spec=local_spec,
                                           with_steps=with_steps)
             if not with_steps:
@@ -315,11 +312,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
             return result, jnp.stack([jax.lax.pmax(steps[0], parallel.BATCH_AXES),
                                       jax.lax.psum(steps[1], parallel.BATCH_AXES)])
 
-        rows = P(parallel.BATCH_AXES)
-        result, steps = jax.shard_map(local, mesh=spec.mesh,
-                                      in_specs=(P(), rows, rows, P(), None if stop_lengths is None else rows),
-                                      out_specs=(rows, P()), axis_names=set(parallel.BATCH_AXES),
-                                      check_vma=False)(state, prompt_ids, prompt_mask, rng, stop_lengths)
+        result, steps = shard_loops(graphdef, spec.mesh, loop, state, rng, prompt_ids, prompt_mask, stop_lengths)
         return (result, steps) if with_steps else result
     model: Decoder = nnx.merge(graphdef, state)
     uniforms = None if spec.sampling.greedy else _constraint(spec.mesh, P(None, parallel.BATCH_AXES))(
@@ -327,6 +320,26 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     result, steps = _grouped_loop(model, prompt_ids, prompt_mask, uniforms, stop_lengths, spec=spec,
                                   with_steps=with_steps)
     return (result, steps) if with_steps else result
+
+
+def shard_loops(graphdef, mesh: Mesh, loop, state, rng, *row_inputs):
+    """Runs a rollout once per batch shard of `mesh`, in one `jax.shard_map` over its batch axes:
+    `loop(model, shard, rng, *local row inputs)` -> (RolloutResult of the shard's rows, int32 [2]
+    steps, already reduced over the shards), where `shard` is the device's index along the batch
+    axes, the model is `graphdef` merged with the whole `state` (replicated over the batch axes,
+    the `tensor` axis left to the compiler) and without its mesh (no sharding constraint may name
+    the manual axes), and each of `row_inputs` (None: absent) is split along its leading axis.
+    Returns the result with its rows split over the batch axes, and the steps."""
+    rows = P(parallel.BATCH_AXES)
+
+    def local(state, rng, *inputs):
+        model: Decoder = nnx.merge(graphdef, state)
+        model.mesh = None
+        return loop(model, jax.lax.axis_index(parallel.BATCH_AXES), rng, *inputs)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *(None if x is None else rows for x in row_inputs)),
+                         out_specs=(rows, P()), axis_names=set(parallel.BATCH_AXES),
+                         check_vma=False)(state, rng, *row_inputs)
 
 
 def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int = 0, compact_min_rows: int = 0) -> int:
@@ -583,4 +596,4 @@ def _constraint(mesh: Mesh | None, spec: P):
 
 
 __all__ = ["RolloutResult", "RolloutSpec", "compaction_schedule", "decode_stages", "describe", "finish_tokens",
-           "generate", "generated_groups", "grouped_rollout", "rollout_shards", "rollout_spec"]
+           "generate", "generated_groups", "grouped_rollout", "rollout_shards", "rollout_spec", "shard_loops"]

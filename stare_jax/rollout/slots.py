@@ -165,25 +165,17 @@ def _device_loops(graphdef, state, prompt_ids, prompt_mask, rng, stop_lengths, w
     replicated over the batch axes (as they are: `sampler.rollout_shards` excludes FSDP); the
     `tensor` axis stays automatic. Idle slots: a device whose responses end first waits for the
     others."""
-    mesh, G = spec.mesh, spec.group_size
     B = prompt_ids.shape[0]
-    shards, N = parallel.batch_divisor(mesh), B * G
+    shards, N = parallel.batch_divisor(spec.mesh), B * spec.group_size
     local_spec = dataclasses.replace(spec, mesh=None, slots=min(spec.slots, N) // shards)
-    rows = P(parallel.BATCH_AXES)
 
-    def local(state, prompt_ids, prompt_mask, rng, stop_lengths, wanted):
-        model: Decoder = nnx.merge(graphdef, state)
-        model.mesh = None  # no sharding constraints on the manual batch axes inside the region
-        offset = jax.lax.axis_index(parallel.BATCH_AXES) * (N // shards)
+    def loop(model, shard, rng, prompt_ids, prompt_mask, stop_lengths, wanted):
         result, steps = _slot_loop(model, prompt_ids, prompt_mask, rng, stop_lengths, wanted, spec=local_spec,
-                                   offset=offset, total=N)
+                                   offset=shard * (N // shards), total=N)
         return result, jax.lax.pmax(steps, parallel.BATCH_AXES)
 
-    optional = lambda x: None if x is None else rows  # noqa: E731
-    result, steps = jax.shard_map(local, mesh=mesh, in_specs=(P(), rows, rows, P(), optional(stop_lengths),
-                                                              optional(wanted)),
-                                  out_specs=(rows, P()), axis_names=set(parallel.BATCH_AXES),
-                                  check_vma=False)(state, prompt_ids, prompt_mask, rng, stop_lengths, wanted)
+    result, steps = sampler.shard_loops(graphdef, spec.mesh, loop, state, rng, prompt_ids, prompt_mask, stop_lengths,
+                                        wanted)
     return (result, steps) if with_steps else result
 
 
