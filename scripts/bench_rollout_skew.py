@@ -128,7 +128,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens (the longest possible response)")
     ap.add_argument("--prompt-len", type=int, default=32, help="padded prompt length")
     ap.add_argument("--slots", default="",
-                    help="comma-separated slot counts (default: batch / 2 for lognormal, batch for fixed)")
+                    help="comma-separated slot counts (default: batch / 2 for lognormal, batch for fixed; "
+                         "'none': no slot sampler, e.g. to time compaction alone)")
     ap.add_argument("--static-rows", default="",
                     help="comma-separated row counts: the static sampler run that many rows at a time as well")
     ap.add_argument("--compact", default="",
@@ -153,9 +154,12 @@ def main() -> None:
         ap.error("--length-mix recorded and --lengths-from go together")
     if not (args.ratio > 1 and 0 < args.p95 <= 1):
         ap.error("--ratio must be > 1 and --p95 in (0, 1]")
-    slot_counts = [int(s) for s in args.slots.split(",") if s] or [
-        args.batch if args.length_mix == "fixed" else max(1, args.batch // 2)]
-    if min(slot_counts) < 1:
+    try:
+        slot_counts = [] if args.slots == "none" else [int(s) for s in args.slots.split(",") if s] or [
+            args.batch if args.length_mix == "fixed" else max(1, args.batch // 2)]
+    except ValueError:
+        ap.error(f"--slots: comma-separated integers or 'none', got {args.slots!r}")
+    if slot_counts and min(slot_counts) < 1:
         ap.error("--slots must be positive")
     static_rows = [int(s) for s in args.static_rows.split(",") if s]
     compact_rows = [int(s) for s in args.compact.split(",") if s]
