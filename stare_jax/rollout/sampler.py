@@ -133,7 +133,10 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     changes speed, not results beyond floating-point rounding.
 
     With a mesh (`mesh=`, else `Policy.mesh`, else the one the parameters live on) the B*G rows
-    are split over the ("data", "fsdp") axes, whose size must divide B*G.
+    are split over the ("data", "fsdp") axes, whose size must divide B*G. A slot or compacting
+    rollout runs one loop per device where those shards divide the B prompts and the weights are
+    not FSDP-sharded (`rollout_shards`): each device decodes the rows it holds, and no row moves
+    between devices inside the loop.
 
     `slots=S > 0` decodes with S slots that are refilled with the next pending response as soon
     as theirs ends (`stare_jax.rollout.slots`; at most B*G are used) instead of B*G rows in
