@@ -454,30 +454,90 @@ def report(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: in
     return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", default="runs/entropy_study", help="directory of all the study's runs")
+def study_arguments(p: argparse.ArgumentParser, *, root: str, out: str, rows: Sequence[Row]) -> None:
+    """Adds the options every countdown study takes to `p`: where its runs live, seeds, rows, steps,
+    figure, table, --report-only, --list and extra config overrides."""
+    p.add_argument("--root", default=root, help="directory of all the study's runs")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--rows", default=",".join(r.name for r in ROWS), help="comma-separated row names (--list)")
+    p.add_argument("--rows", default=",".join(r.name for r in rows), help="comma-separated row names (--list)")
     p.add_argument("--steps", type=int, default=None, help="total_steps of every run (default: the config's)")
-    p.add_argument("--out", default="docs/figures/entropy_study.png")
-    p.add_argument("--table", default="", help="also write the Markdown table here (default: ROOT/table.md)")
-    p.add_argument("--no-share-model", action="store_true",
-                   help="let each run warm-start its own model in WORKDIR/model (slower)")
+    p.add_argument("--out", default=out)
+    p.add_argument("--table", default="", help="also write the Markdown report here (default: ROOT/table.md)")
     p.add_argument("--report-only", action="store_true", help="do not train; summarise what has finished")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
     p.add_argument("--override", action="append", default=[],
                    help="extra --config.key=value for every run (repeatable; changes the study)")
+
+
+def chosen_rows(names: str, by_name: dict[str, Row], study: str) -> list[Row] | None:
+    """The rows named in the comma-separated `names`, or None after printing one line to stderr that
+    names the unknown ones and the allowed ones (the caller exits 2)."""
+    unknown = [n for n in names.split(",") if n not in by_name]
+    if unknown:
+        print(f"{study}: unknown rows {unknown}; allowed: {', '.join(by_name)}", file=sys.stderr)
+        return None
+    return [by_name[n] for n in names.split(",")]
+
+
+def study_env() -> dict:
+    """The environment of a study's runs: this one with the repository on PYTHONPATH and, unless
+    set, one XLA CPU device a run."""
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def study_logger(root: str):
+    """A log function: prints each message with the time and appends it to ROOT/study.log."""
+    path = os.path.join(root, "study.log")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+    return log
+
+
+def run_jobs(jobs: Sequence[tuple[Row, int]], root: str, total_steps: int, run, log, done=None) -> list[str]:
+    """Runs every (row, seed) job whose run under ROOT/ROW/seed_S has not finished: `run(row, seed)`
+    trains it and returns its wall seconds; a run that fails (RuntimeError or CalledProcessError) is
+    logged and the study goes on. `done(row, seed, run_dir)` adds text to a finished run's log line.
+    Returns the failed jobs' names."""
+    failed: list[str] = []
+    t_start = time.time()
+    for i, (row, seed) in enumerate(jobs, 1):
+        run_dir = os.path.join(root, row.name, f"seed_{seed}")
+        if is_finished(run_dir, total_steps):
+            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: finished, reused")
+            continue
+        log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: running ...")
+        try:
+            wall = run(row, seed)
+        except (RuntimeError, subprocess.CalledProcessError) as e:  # keep going; the report shows it
+            failed.append(f"{row.name} seed {seed}")
+            log(f"[{i}/{len(jobs)}] FAILED: {e}")
+            continue
+        extra = f"; {done(row, seed, run_dir)}" if done else ""
+        log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s{extra}; elapsed {(time.time() - t_start) / 60:.1f} min")
+    return failed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    study_arguments(p, root="runs/entropy_study", out="docs/figures/entropy_study.png", rows=ROWS)
+    p.add_argument("--no-share-model", action="store_true",
+                   help="let each run warm-start its own model in WORKDIR/model (slower)")
     a = p.parse_args(argv)
     if a.list:
         for r in ROWS:
             print(f"{r.name:20s} {r.config:28s} {' '.join(r.args())}")
         return 0
-    unknown = [n for n in a.rows.split(",") if n not in ROW_BY_NAME]
-    if unknown:
-        print(f"entropy_study: unknown rows {unknown}; allowed: {', '.join(ROW_BY_NAME)}", file=sys.stderr)
+    rows = chosen_rows(a.rows, ROW_BY_NAME, "entropy_study")
+    if rows is None:
         return 2
-    rows = [ROW_BY_NAME[n] for n in a.rows.split(",")]
     seeds = [int(s) for s in a.seeds.split(",") if s]
     root = os.path.abspath(a.root)
     os.makedirs(root, exist_ok=True)
@@ -487,16 +547,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     group_size = int(base.rollout.group_size)
     extra = [o if o.startswith("--config.") else f"--config.{o}" for o in a.override]
     command = "python scripts/entropy_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    env = dict(os.environ)
-    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    logf = open(os.path.join(root, "study.log"), "a")
+    env, log = study_env(), study_logger(root)
 
-    def log(msg: str) -> None:
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        logf.write(line + "\n")
-        logf.flush()
+    def done(row: Row, seed: int, run_dir: str) -> str:
+        s = run_summary(run_dir, total_steps, target_entropy, group_size)
+        return (f"H median last half {s.get('entropy_last_half_median', float('nan')):.3f}, "
+                f"avg@n {s.get('avg@n', float('nan')):.3f}, pass@k {s.get('pass@k') or float('nan'):.3f}")
 
     t_start = time.time()
     failed: list[str] = []
@@ -506,29 +562,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         core = [r for r in rows if r.name in CORE_ROWS]
         jobs = [(r, s) for r in core for s in seeds] + [(r, s) for s in seeds for r in rows if r not in core]
         log(f"study: {len(rows)} rows x {len(seeds)} seeds, {total_steps} steps each, root {root}")
-        for i, (row, seed) in enumerate(jobs, 1):
-            run_dir = os.path.join(root, row.name, f"seed_{seed}")
-            if is_finished(run_dir, total_steps):
-                log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: finished, reused")
-                continue
-            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: running ...")
-            try:
-                wall = run_one(row, seed, root, a.steps, extra, env, log, share_model=not a.no_share_model)
-            except (RuntimeError, subprocess.CalledProcessError) as e:  # keep going; the report shows it
-                failed.append(f"{row.name} seed {seed}")
-                log(f"[{i}/{len(jobs)}] FAILED: {e}")
-                continue
-            s = run_summary(run_dir, total_steps, target_entropy, group_size)
-            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; H median last half "
-                f"{s.get('entropy_last_half_median', float('nan')):.3f}, avg@n {s.get('avg@n', float('nan')):.3f}, "
-                f"pass@k {s.get('pass@k') or float('nan'):.3f}; elapsed {(time.time() - t_start) / 60:.1f} min")
+        failed = run_jobs(jobs, root, total_steps, lambda row, seed: run_one(
+            row, seed, root, a.steps, extra, env, log, share_model=not a.no_share_model), log, done)
     wall = time.time() - t_start
     text = report(root, rows, seeds, total_steps, target_entropy, group_size, a.out,
                   a.table or os.path.join(root, "table.md"), None if a.report_only else wall, command)
     print(text)
     log((f"report of {root} written" if a.report_only else f"study done in {wall / 60:.1f} min") + f"; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from typing import Sequence
@@ -168,26 +167,15 @@ def report(root: str, rows: Sequence, seeds: Sequence[int], total_steps: int, ta
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", default="runs/quadrant_study", help="directory of all the study's runs")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--rows", default=",".join(r.name for r in ROWS), help="comma-separated row names (--list)")
-    p.add_argument("--steps", type=int, default=None, help="total_steps of every run (default: the config's)")
-    p.add_argument("--out", default="docs/figures/quadrant_study.png")
-    p.add_argument("--table", default="", help="also write the Markdown report here (default: ROOT/table.md)")
-    p.add_argument("--report-only", action="store_true", help="do not train; summarise what has finished")
-    p.add_argument("--list", action="store_true", help="print the rows and exit")
-    p.add_argument("--override", action="append", default=[],
-                   help="extra --config.key=value for every run (repeatable; changes the study)")
+    es.study_arguments(p, root="runs/quadrant_study", out="docs/figures/quadrant_study.png", rows=ROWS)
     a = p.parse_args(argv)
     if a.list:
         for r in ROWS:
             print(f"{r.name:10s} {r.config:28s} {' '.join(r.args())}")
         return 0
-    unknown = [n for n in a.rows.split(",") if n not in ROW_BY_NAME]
-    if unknown:
-        print(f"quadrant_study: unknown rows {unknown}; allowed: {', '.join(ROW_BY_NAME)}", file=sys.stderr)
+    rows = es.chosen_rows(a.rows, ROW_BY_NAME, "quadrant_study")
+    if rows is None:
         return 2
-    rows = [ROW_BY_NAME[n] for n in a.rows.split(",")]
     seeds = [int(s) for s in a.seeds.split(",") if s]
     root = os.path.abspath(a.root)
     os.makedirs(root, exist_ok=True)
@@ -197,41 +185,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     group_size = int(base.rollout.group_size)
     extra = [o if o.startswith("--config.") else f"--config.{o}" for o in a.override]
     command = "python scripts/quadrant_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    env = dict(os.environ)
-    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    env["PYTHONPATH"] = es.REPO + os.pathsep + env.get("PYTHONPATH", "")
-    logf = open(os.path.join(root, "study.log"), "a")
-
-    def log(msg: str) -> None:
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        logf.write(line + "\n")
-        logf.flush()
-
+    env, log = es.study_env(), es.study_logger(root)
     t_start = time.time()
     failed: list[str] = []
     if not a.report_only:
         jobs = [(r, s) for s in seeds for r in rows]  # seed-major: an interrupted study has whole seeds
         log(f"quadrant study: {len(rows)} rows x {len(seeds)} seeds, {total_steps} steps each, root {root}")
-        for i, (row, seed) in enumerate(jobs, 1):
-            if es.is_finished(os.path.join(root, row.name, f"seed_{seed}"), total_steps):
-                log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: finished, reused")
-                continue
-            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: running ...")
-            try:
-                wall = es.run_one(row, seed, root, a.steps, extra, env, log, share_model=True)
-            except (RuntimeError, subprocess.CalledProcessError) as e:  # keep going; the report shows it
-                failed.append(f"{row.name} seed {seed}")
-                log(f"[{i}/{len(jobs)}] FAILED: {e}")
-                continue
-            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; elapsed {(time.time() - t_start) / 60:.1f} min")
+        failed = es.run_jobs(jobs, root, total_steps, lambda row, seed: es.run_one(
+            row, seed, root, a.steps, extra, env, log, share_model=True), log)
     wall = time.time() - t_start
     text = report(root, rows, seeds, total_steps, target_entropy, group_size, a.out,
                   a.table or os.path.join(root, "table.md"), None if a.report_only else wall, command)
     print(text)
     log(f"report of {root} written; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

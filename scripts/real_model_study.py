@@ -178,7 +178,6 @@ def step_profile(run_dir: str, peak_gflops: float | None = None, model_dir: str 
     matmul peak `peak_gflops`). `model_dir`: the Hugging Face directory of the run's model where
     config.json's model.path is not one (a GGUF source is converted into RUN_DIR/model)."""
     from bench_step import update_model_flops
-    from stare_jax.config import load_config_file
     from stare_jax.models.hf import load_config
 
     every = es.read_metrics(run_dir)
@@ -389,42 +388,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     command = "python scripts/real_model_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    failed = []
     t_start = time.time()
-    with open(os.path.join(root, "study.log"), "a") as logf:
-        def log(msg):
-            line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-            print(line, flush=True)
-            logf.write(line + "\n")
-            logf.flush()
+    log = es.study_logger(root)
 
-        for i, (row, seed) in enumerate(jobs if not a.report_only else [], 1):
-            run_dir = os.path.join(root, row.name, f"seed_{seed}")
-            if es.is_finished(run_dir, total_steps):
-                log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: finished, reused")
-                continue
-            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: running ...")
+    def done(row: es.Row, seed: int, run_dir: str) -> str:
+        s = summary(run_dir, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size))
+        return (f"avg@8 {s.get('base_avg@n', np.nan):.3f} -> {s.get('final_avg@n', np.nan):.3f}, "
+                f"H median last half {s.get('entropy_last_half_median', np.nan):.3f}")
+
+    failed = [] if a.report_only else es.run_jobs(
+        jobs, root, total_steps, lambda row, seed: run_one(row, seed, root, a.steps, env), log, done)
+    for step in at_steps:  # also with --report-only: no training, but the missing evaluations
+        for row, seed in jobs:
             try:
-                wall = run_one(row, seed, root, a.steps, env)
-            except (RuntimeError, subprocess.CalledProcessError) as e:
-                failed.append(f"{row.name} seed {seed}")
-                log(f"[{i}/{len(jobs)}] FAILED: {e}")
-                continue
-            s = summary(run_dir, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size))
-            log(f"[{i}/{len(jobs)}] {row.name} seed {seed}: {wall:.0f}s; avg@8 {s.get('base_avg@n', np.nan):.3f} -> "
-                f"{s.get('final_avg@n', np.nan):.3f}, H median last half {s.get('entropy_last_half_median', np.nan):.3f}")
-        for step in at_steps:  # also with --report-only: no training, but the missing evaluations
-            for row, seed in jobs:
-                try:
-                    if evaluate_at(row, seed, root, step, env):
-                        log(f"{row.name} seed {seed}: held-out evaluation at step {step} written")
-                except subprocess.CalledProcessError as e:
-                    failed.append(f"{row.name} seed {seed} evaluation at step {step}")
-                    log(f"FAILED: evaluation of {row.name} seed {seed} at step {step}: {e}")
-        text = report(root, jobs, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size), a.out,
-                      a.table or os.path.join(root, "table.md"), command, at_steps)
-        print(text)
-        log(f"report written ({(time.time() - t_start) / 60:.1f} min)" + (f"; FAILED: {failed}" if failed else ""))
+                if evaluate_at(row, seed, root, step, env):
+                    log(f"{row.name} seed {seed}: held-out evaluation at step {step} written")
+            except subprocess.CalledProcessError as e:
+                failed.append(f"{row.name} seed {seed} evaluation at step {step}")
+                log(f"FAILED: evaluation of {row.name} seed {seed} at step {step}: {e}")
+    text = report(root, jobs, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size), a.out,
+                  a.table or os.path.join(root, "table.md"), command, at_steps)
+    print(text)
+    log(f"report written ({(time.time() - t_start) / 60:.1f} min)" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

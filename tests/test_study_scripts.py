@@ -234,3 +234,41 @@ def test_step_profile_of_one_and_of_several_steps(tmp_path, tiny_checkpoints):
     assert not several["first_step_only"] and several["steps"] == 2
     assert several["generate_s"] == 3.0 and several["update_s"] == 4.0
     assert abs(several["host_other_s"] - 0.1) < 1e-9
+
+
+def test_run_jobs_reuses_finished_runs_records_failures_and_logs(tmp_path):
+    """The studies' shared job loop: a finished run is not started again, a failing run is logged
+    and the loop goes on, and every line lands in ROOT/study.log."""
+    import subprocess
+
+    root = str(tmp_path)
+    Row = entropy_study.Row
+    a, b, c = Row("a", "A", "x.py"), Row("b", "B", "x.py"), Row("c", "C", "x.py")
+    fake_run(os.path.join(root, "a", "seed_0"), np.full(10, 0.3))  # finished: 10 of 10 steps and its eval
+    started = []
+
+    def run(row, seed):
+        started.append((row.name, seed))
+        if row.name == "b":
+            raise subprocess.CalledProcessError(3, ["train"])
+        return 1.0
+
+    log = entropy_study.study_logger(root)
+    failed = entropy_study.run_jobs([(a, 0), (b, 0), (c, 1)], root, 10, run, log,
+                                    done=lambda row, seed, run_dir: f"done {row.name} in {os.path.basename(run_dir)}")
+    assert started == [("b", 0), ("c", 1)]
+    assert failed == ["b seed 0"]
+    text = open(os.path.join(root, "study.log")).read()
+    assert "a seed 0: finished, reused" in text and "FAILED" in text and "done c in seed_1" in text
+
+
+@pytest.mark.parametrize("study", ["entropy_study", "quadrant_study"])
+def test_study_lists_its_rows_and_refuses_unknown_ones(study, tmp_path, capsys):
+    mod = entropy_study if study == "entropy_study" else quadrant_study
+    assert mod.main(["--list"]) == 0
+    listed = capsys.readouterr().out.split("\n")
+    assert [line.split()[0] for line in listed if line] == [r.name for r in mod.ROWS]
+    assert mod.main(["--root", str(tmp_path), "--rows", f"{mod.ROWS[0].name},nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown rows ['nope']" in err and mod.ROWS[0].name in err
+    assert not os.listdir(tmp_path)  # nothing started
