@@ -186,6 +186,11 @@ def test_sampler_shapes_take_each_phases_sampler_settings():
     assert described(evaluation) == "slot_rollout: 16 refilled decode slots"  # of 8 prompts x 4
     assert described(evaluation, mesh) == ("slot_rollout: 16 refilled decode slots, one loop per device "
                                            "(2 slots over 1 prompt each)")
+    fsdp = parallel.make_mesh(data=2, fsdp=4)  # one program; the line says what each decode step gathers
+    assert described(evaluation, fsdp) == ("slot_rollout: 16 refilled decode slots; the weights split over fsdp=4 "
+                                           "are gathered in every decode step (mesh.rollout_devices decodes on a "
+                                           "copy gathered once per rollout)")
+    assert described(train, parallel.make_mesh(data=8)).endswith("slots")  # no gather: not split
     assert jax.device_count() == 8
 
 

@@ -246,16 +246,20 @@ def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: in
 def describe(spec: RolloutSpec, prompts: int) -> str:
     """What `generate` runs for `prompts` prompts under `spec`, in words (the dry run's report line):
     the static batch (compacting down to `compact_min_rows` rows when set) or the slot sampler with
-    its slots, and whether each batch shard of the mesh runs its own loop (`rollout_shards`)."""
+    its slots, whether each batch shard of the mesh runs its own loop (`rollout_shards`), and, on a
+    mesh that splits the weights over `fsdp`, that every decode step gathers them."""
     shards = rollout_shards(spec.mesh, prompts, spec.group_size, spec.slots, spec.compact_min_rows)
     each = prompts // shards
     prompts_each = f"{each} prompt{'s' if each != 1 else ''} each"
+    fsdp = 1 if spec.mesh is None else spec.mesh.shape["fsdp"]
+    gathers = (f"; the weights split over fsdp={fsdp} are gathered in every decode step (mesh.rollout_devices "
+               f"decodes on a copy gathered once per rollout)") if fsdp > 1 else ""
     if not spec.slots:
         compacting = f", compacting down to {spec.compact_min_rows} rows" if spec.compact_min_rows else ""
         loops = f", one loop per device ({prompts_each})" if shards > 1 else ""
-        return f"grouped_rollout{compacting}{loops}: prefill + KV-cache decode"
+        return f"grouped_rollout{compacting}{loops}: prefill + KV-cache decode{gathers}"
     loops = f", one loop per device ({spec.slots // shards} slots over {prompts_each})" if shards > 1 else ""
-    return f"slot_rollout: {spec.slots} refilled decode slots{loops}"
+    return f"slot_rollout: {spec.slots} refilled decode slots{loops}{gathers}"
 
 
 @functools.lru_cache(maxsize=64)
