@@ -204,7 +204,7 @@ def main() -> None:
                   "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
                   "vocab_keep_logits_mb": config.model.vocab_keep_logits_mb,
-                  "loss": float(out["loss"]),
+                  "loss": float(out["loss"]), "state_digest": state_fingerprint(state),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
                   "devices": jax.device_count(), "malloc": allocator.name()}
         if trace:
@@ -222,6 +222,20 @@ def main() -> None:
                                                   jax.device_count())
         print(json.dumps(result), flush=True)
         del state, update, policy
+
+
+def state_fingerprint(state) -> str:
+    """16 hex digits of the SHA-256 of the train state's per-leaf digests (`stare_jax.checkpoint.
+    state_digest`: exact integer sums of every array's bits): equal only when the updated
+    parameters and optimizer state are equal to the bit, so runs can be compared across processes."""
+    import hashlib
+
+    from flax import nnx
+
+    from stare_jax.checkpoint import state_digest
+
+    digest = state_digest(nnx.state(state))
+    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def matmul_accounting(executed_flops: float, dot_s: float, model_flops: float, update_s: float, peak_gflops: float,

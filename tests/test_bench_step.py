@@ -629,5 +629,8 @@ def test_bench_update_keeps_its_programs_in_the_compilation_cache(tmp_path):
     second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert sorted(p.name for p in cache.iterdir()) == entries  # every program found, none written anew
-    for run in (first, second):
-        assert json.loads(run.stdout.strip().splitlines()[-1])["times_s"][0] > 0
+    results = [json.loads(run.stdout.strip().splitlines()[-1]) for run in (first, second)]
+    assert all(r["times_s"][0] > 0 for r in results)
+    # two processes, one batch: the updated train state is the same to the bit
+    assert len(results[0]["state_digest"]) == 16 and results[0]["state_digest"] == results[1]["state_digest"]
+    assert results[0]["loss"] == results[1]["loss"]
