@@ -479,11 +479,12 @@ def chosen_rows(names: str, by_name: dict[str, Row], study: str) -> list[Row] | 
     return [by_name[n] for n in names.split(",")]
 
 
-def study_env() -> dict:
-    """The environment of a study's runs: this one with the repository on PYTHONPATH and, unless
-    set, one XLA CPU device a run."""
+def study_env(one_device: bool = True) -> dict:
+    """The environment of a study's runs: this one with the repository on PYTHONPATH and, with
+    `one_device` and unless XLA_FLAGS is set, one XLA CPU device a run."""
     env = dict(os.environ)
-    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    if one_device:
+        env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

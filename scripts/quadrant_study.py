@@ -200,5 +200,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"report of {root} written; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -385,8 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     base = es.load_base_config(STARE)
     total_steps = a.steps or base.total_steps
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env = es.study_env(one_device=False)  # the recipe's own device layout
     command = "python scripts/real_model_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
     t_start = time.time()
     log = es.study_logger(root)
