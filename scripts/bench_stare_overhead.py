@@ -12,17 +12,17 @@ two run in separate processes a few percent apart. Prints one JSON line:
     update_cpu_overhead the same from process CPU time (immune to time stolen by a VM's host)
     step_overhead       (median stare - median grpo) / (rollout + median stare)
 
-    python scripts/bench_stare_overhead.py [--large | --smoke] [--rounds 15] [--cpu-devices N] [--pe-metrics | --cpu-matmuls]
+    python scripts/bench_stare_overhead.py [--large | --smoke] [--rounds 15] [--cpu-devices N] [--pe-metrics | --cpu-options]
 
 With `--pe-metrics` the two alternating steps are STARE's with and without the polarity-entropy
 metrics (`pe_quad_*`, issue 18): the second is the same step traced with
 `diagnostics.polarity_entropy_diagnostics` returning nothing, so XLA drops the quadrant masks too.
 The keys then read `with_update_s`, `without_update_s`, and the overheads are with / without - 1.
 
-With `--cpu-matmuls` the two are STARE's step compiled as the trainer compiles it on CPU (Eigen
-matmuls, `update.CPU_UPDATE_COMPILER_OPTIONS`) and with XLA:CPU's default XNNPACK/YNNPACK fusions
-(`make_update_step(..., cpu_options=False)`): keys `eigen_update_s`, `xnnpack_update_s`, overheads
-eigen / xnnpack - 1 (negative: the shipped choice is the faster on this host).
+With `--cpu-options` the two are STARE's step compiled as the trainer compiles it on CPU
+(`update.CPU_UPDATE_COMPILER_OPTIONS`: XLA's tree-reduction rewrite off) and with XLA:CPU's defaults
+(`make_update_step(..., cpu_options=False)`): keys `shipped_update_s`, `defaults_update_s`, overheads
+shipped / defaults - 1 (negative: the shipped options are the faster on this host).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
     ap.add_argument("--pe-metrics", action="store_true",
                     help="time STARE's step with vs without the pe_quad_* metrics instead of STARE vs GRPO")
-    ap.add_argument("--cpu-matmuls", action="store_true",
-                    help="time STARE's step with the shipped Eigen matmuls vs XLA:CPU's XNNPACK fusions instead")
+    ap.add_argument("--cpu-options", action="store_true",
+                    help="time STARE's step with the shipped CPU compiler options vs XLA:CPU's defaults instead")
     args = ap.parse_args()
-    if args.pe_metrics and args.cpu_matmuls:
-        ap.error("--pe-metrics and --cpu-matmuls are different comparisons: pick one")
+    if args.pe_metrics and args.cpu_options:
+        ap.error("--pe-metrics and --cpu-options are different comparisons: pick one")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     from stare_jax.distributed import cpu_devices_per_core
@@ -65,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workload["checkpoint"] = os.path.join(tmp, "model")
         checkpoint.write_synthetic_checkpoint(workload["checkpoint"], common.synthetic_workload_name(args))
-        print(json.dumps(measure(workload, args.rounds, pe_metrics=args.pe_metrics, cpu_matmuls=args.cpu_matmuls)))
+        print(json.dumps(measure(workload, args.rounds, pe_metrics=args.pe_metrics, cpu_options=args.cpu_options)))
 
 
 def _without_pe_metrics():
@@ -77,7 +77,7 @@ def _without_pe_metrics():
     return mock.patch.object(update, "polarity_entropy_diagnostics", lambda *a, **k: {})
 
 
-def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: bool = False) -> dict:
+def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_options: bool = False) -> dict:
     """Builds both update steps on one sampled batch and times them alternately (see the module doc)."""
     import contextlib
 
@@ -91,8 +91,8 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
         names = ("with", "without")
         configs = {n: ours_peer.bench_config(dict(workload, loss="stare")) for n in names}
         trace_ctx = {"with": contextlib.nullcontext, "without": _without_pe_metrics}
-    elif cpu_matmuls:  # the same STARE config twice; the second compiled without the CPU update options
-        names = ("eigen", "xnnpack")
+    elif cpu_options:  # the same STARE config twice; the second compiled without the CPU update options
+        names = ("shipped", "defaults")
         configs = {n: ours_peer.bench_config(dict(workload, loss="stare")) for n in names}
         trace_ctx = {n: contextlib.nullcontext for n in names}
     else:
@@ -107,7 +107,7 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
     for loss, config in configs.items():
         policy = ours_peer.load_policy(workload, config, mesh)
         state = create_train_state(policy.model, config, mesh=mesh)
-        steps[loss] = [make_update_step(config, mesh, state, cpu_options=loss != "xnnpack"), nnx.state(state)]
+        steps[loss] = [make_update_step(config, mesh, state, cpu_options=loss != "defaults"), nnx.state(state)]
     sampler = ours_peer.load_policy(workload, configs[first], mesh)  # the updates donate their weights
     key = jax.random.key(workload["seed"])
     rollout = ours_peer.fixed_rollout(workload, sampler, mesh)
@@ -146,7 +146,7 @@ def measure(workload: dict, rounds: int, pe_metrics: bool = False, cpu_matmuls: 
     a, b = med(wall[first]), med(wall[second])
     return {"shape": {k: workload[k] for k in ("hidden_size", "num_layers", "new_tokens")}, "rounds": rounds,
             "devices": jax.device_count(), "compared": f"{first} vs {second}" + (" pe_quad metrics" if pe_metrics else "")
-            + (" CPU matmuls" if cpu_matmuls else ""),
+            + (" CPU options" if cpu_options else ""),
             f"{first}_update_s": round(a, 4), f"{second}_update_s": round(b, 4), "rollout_s": round(med(rollout_s), 4),
             "update_overhead": round(med([x / y - 1 for x, y in zip(wall[first], wall[second])]), 4),
             "update_cpu_overhead": round(med([x / y - 1 for x, y in zip(cpu[first], cpu[second])]), 4),

@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="mesh.cpu_devices: JAX CPU devices the host is split into (0: one per core; 1: a "
                          "single device with every core inside each op)")
+    ap.add_argument("--digest-out", default="",
+                    help="append one JSON line per setting to this file: the updated state's digest leaf by "
+                         "leaf and every metric of the last update, to find where two processes differ")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
@@ -220,6 +223,8 @@ def main() -> None:
             result.update(summary)
             result["matmuls"] = matmul_accounting(executed, result["matmul_s"], model_flops, times[-1], peak,
                                                   jax.device_count())
+        if args.digest_out:
+            write_digest(args.digest_out, setting, state, out)
         print(json.dumps(result), flush=True)
         del state, update, policy
 
@@ -236,6 +241,20 @@ def state_fingerprint(state) -> str:
 
     digest = state_digest(nnx.state(state))
     return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_digest(path: str, setting: dict, state, metrics: dict) -> None:
+    """Appends {setting, metrics, leaves} as one JSON line to `path`: every metric of the update (its
+    float32 scalars as exact float64 values) and `checkpoint.state_digest` of the updated state, leaf
+    by leaf, so two processes' files name the first parameter or optimizer leaf that differs."""
+    from flax import nnx
+
+    from stare_jax.checkpoint import state_digest
+
+    record = {"setting": setting, "metrics": {k: float(v) for k, v in sorted(metrics.items())},
+              "leaves": state_digest(nnx.state(state))}
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
 def matmul_accounting(executed_flops: float, dot_s: float, model_flops: float, update_s: float, peak_gflops: float,

@@ -79,18 +79,20 @@ from stare_jax.rl.settings import RLSettings
 from stare_jax.rl.stare import ControllerState, controller_update, stare_weights_and_sets
 from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
 
-# XLA:CPU hands matmuls to XNNPACK/YNNPACK fusions by default. Those are the faster kernels for
-# the sampler's skinny decode matmuls ([rows, D] @ [D, F]), but for the update step's large ones
-# its Eigen matmuls measured ~20% faster end to end (scripts/bench_step.py), so the update step
-# alone is compiled without them. Without them XLA rewrites every reduction longer than 32 into a
-# windowed tree reduction and a second pass (for the rounding of long float sums); the update's
-# long sums are matmuls (`decoder.column_sum`) or vectorised row sums, and without the rewrite its
-# row maxima and sums ran 2-8x faster in isolation (a [6,144, 1,024] row maximum 0.34-0.65 against
-# 2.7 ms) and the update 1.02-1.03x (docs/performance.md, "XLA's tree reductions off in the
-# update"). Only the CPU backend reads these options (and the dry run, which uses CPU compiles to
-# stand in for TPU/GPU ones, leaves them out).
-CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": "",
-                               "xla_disable_hlo_passes": "tree_reduction_rewriter"}
+# XLA:CPU hands matmuls to YNNPACK fusions by default, and the update keeps them. Compiled without
+# them (Eigen's matmuls, ~15-25% faster on the update's large products), the real model's update on
+# two CPU devices returned wrong hidden states: the first ~512 positions of each device's rows off by
+# up to 78 after layer 17-30 of SmolLM2's 30, different from call to call, while one device, the
+# first 16 layers, or YNNPACK's matmuls gave the reference values (docs/performance.md, "Eigen's
+# matmuls in the update gave wrong results on two CPU devices"). XLA's tree-reduction rewrite stays
+# off: it turns every reduction longer than 32 into a windowed tree reduction and a second pass (for
+# the rounding of long float sums); the update's long sums are matmuls (`decoder.column_sum`) or
+# vectorised row sums, and without the rewrite its row maxima and sums ran 2-8x faster in isolation
+# (a [6,144, 1,024] row maximum 0.34-0.65 against 2.7 ms) and the update 1.02-1.03x
+# (docs/performance.md, "XLA's tree reductions off in the update"). Only the CPU backend reads
+# these options (and the dry run, which uses CPU compiles to stand in for TPU/GPU ones, leaves
+# them out).
+CPU_UPDATE_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
 
