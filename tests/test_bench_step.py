@@ -620,7 +620,8 @@ def test_bench_update_keeps_its_programs_in_the_compilation_cache(tmp_path):
     second process on the same batch loads the update's program instead of compiling it again."""
     cache = tmp_path / "xla"
     args = [sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "smoke", "--reps", "1",
-            "--model-cache", str(tmp_path / "models"), "--batch-cache", str(tmp_path / "batch.pkl")]
+            "--model-cache", str(tmp_path / "models"), "--batch-cache", str(tmp_path / "batch.pkl"),
+            "--digest-out", str(tmp_path / "digests.jsonl")]
     env = subprocess_env(1, STARE_COMPILATION_CACHE_DIR=str(cache))
     first = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -634,3 +635,20 @@ def test_bench_update_keeps_its_programs_in_the_compilation_cache(tmp_path):
     # two processes, one batch: the updated train state is the same to the bit
     assert len(results[0]["state_digest"]) == 16 and results[0]["state_digest"] == results[1]["state_digest"]
     assert results[0]["loss"] == results[1]["loss"]
+    # --digest-out: one line per process, every metric and every leaf's digest, equal in both
+    records = [json.loads(line) for line in (tmp_path / "digests.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and records[0] == records[1]
+    assert records[0]["metrics"]["loss"] == results[0]["loss"] and "grad_norm" in records[0]["metrics"]
+    assert any(path.startswith("model/") for path in records[0]["leaves"]) and len(records[0]["leaves"]) > 10
+
+
+def test_check_update_kernels_refuses_bad_input(tmp_path):
+    """`scripts/check_update_kernels.py` exits 2 with one line for options that are not a JSON
+    object and for a missing batch cache (it names the command that writes it)."""
+    script = os.path.join(ROOT, "scripts", "check_update_kernels.py")
+    bad = subprocess.run([sys.executable, script, "--options", "[1]"], cwd=ROOT, env=subprocess_env(1),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--options must be a JSON object" in bad.stderr
+    missing = subprocess.run([sys.executable, script, "--batch-cache", str(tmp_path / "none.pkl")], cwd=ROOT,
+                             env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "bench_update.py --reps 1" in missing.stderr

@@ -1,0 +1,128 @@
+"""Checks the update's decoder forward on the real-model batch under other XLA:CPU compiler options.
+
+The update step's forward (`Decoder.grouped_hidden_states`: each group's prompt once, its
+responses after it) runs on the fixed real-model batch of `scripts/bench_update.py` twice per
+option set, on the host's data-parallel CPU mesh: once compiled with the update's shipped options
+(`update.CPU_UPDATE_COMPILER_OPTIONS`, the reference) and `--calls` times with `--options`. It prints
+one JSON line: for each call, the rows whose final hidden states differ from the reference by more
+than `--tolerance` at a response position, and the largest difference; and whether the calls agree
+with each other. The default `--options` are the ones the update shipped with until this check:
+XLA:CPU's YNNPACK matmul fusions off (Eigen's matmuls), which gave wrong hidden states for the first
+~512 positions of each device's rows, different from call to call, on two devices and SmolLM2's 30
+layers (docs/performance.md, "Eigen's matmuls in the update gave wrong results on two CPU devices").
+
+    python scripts/bench_update.py --reps 1          # writes runs/bench_update_batch.pkl once
+    python scripts/check_update_kernels.py [--options JSON] [--layers N] [--rows N] [--calls 2]
+
+`--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
+groups of 8), `--cpu-devices 1` one device with every core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "bench_peers"))
+
+import common  # noqa: E402
+
+EIGEN_MATMULS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": "",
+                 "xla_disable_hlo_passes": "tree_reduction_rewriter"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--options", default=json.dumps(EIGEN_MATMULS),
+                    help="XLA compiler options under test, a JSON object (default: the update's options until "
+                         "this check, Eigen's matmuls)")
+    ap.add_argument("--calls", type=int, default=2, help="calls of the program under test")
+    ap.add_argument("--layers", type=int, default=0, help="run only the first N decoder layers (0: all)")
+    ap.add_argument("--rows", type=int, default=0, help="only the first N rows of the batch (0: all; whole groups)")
+    ap.add_argument("--tolerance", type=float, default=1e-3, help="largest difference counted as equal")
+    ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
+    ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
+    ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
+    args = ap.parse_args()
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as e:
+        ap.error(f"--options: not JSON: {e}")
+    if not isinstance(options, dict):
+        ap.error("--options must be a JSON object")
+    if args.calls < 1 or args.layers < 0 or args.rows < 0:
+        ap.error("--calls must be >= 1, --layers and --rows >= 0")
+    if not os.path.exists(args.batch_cache):
+        ap.error(f"--batch-cache {args.batch_cache} does not exist: run `python scripts/bench_update.py --reps 1` "
+                 "once to write it")
+    print(json.dumps(check(args, options)))
+
+
+def check(args, options: dict) -> dict:
+    """Runs the reference and the option set under test; returns the comparison (see the module doc)."""
+    import bench_step
+    import ours_peer
+
+    from stare_jax.distributed import cpu_devices_per_core
+
+    workload = bench_step.real_workload("smollm2", args.model_cache, common.REAL["new_tokens"])
+    workload.update(loss="stare", pack_tokens=0, cpu_devices=args.cpu_devices or cpu_devices_per_core(
+        workload["num_prompts"]))
+    config = ours_peer.bench_config(workload)
+    from stare_jax import distributed, parallel
+    distributed.initialize(config)
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from stare_jax.models.decoder import LayerStack
+    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS, _group_prompts
+
+    with open(args.batch_cache, "rb") as f:
+        batch = pickle.load(f)
+    group = workload["group_size"]
+    if args.rows:
+        if args.rows % group:
+            raise SystemExit(f"check_update_kernels: --rows must be a multiple of the group size {group}")
+        batch = {k: np.asarray(v)[:args.rows] for k, v in batch.items()}
+    if args.layers:
+        arrays = LayerStack.arrays
+        LayerStack.arrays = lambda self: {k: v[:args.layers] for k, v in arrays(self).items()}
+    mesh = parallel.mesh_from_config(config.mesh)
+    model = ours_peer.load_policy(workload, config, mesh).model
+    sharded = parallel.shard_batch(batch, mesh)
+    graphdef, state = nnx.split(model)
+    R = np.shape(batch["response_mask"])[1]
+    positions = np.asarray(batch["response_mask"]) > 0
+
+    def hidden(state, ids, mask):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            m = nnx.merge(graphdef, state)
+            prompts = lambda x: _group_prompts(x, group_size=group, prompt_len=ids.shape[1] - R)  # noqa: E731
+            return m.grouped_hidden_states(prompts(ids), prompts(mask), ids[:, -R:], mask[:, -R:])[1]
+
+    def run(opts):
+        out = jax.jit(hidden, compiler_options=opts or None)(state, sharded["input_ids"], sharded["attention_mask"])
+        return np.asarray(out)
+
+    reference = run(dict(CPU_UPDATE_COMPILER_OPTIONS))
+    calls, first = [], None
+    for _ in range(args.calls):
+        got = run(options)
+        diff = np.where(positions, np.abs(got - reference).max(axis=-1), 0.0)
+        calls.append({"rows_off": np.nonzero(diff.max(axis=1) > args.tolerance)[0].tolist(),
+                      "max_difference": float(diff.max())})
+        first = got if first is None else first
+        calls[-1]["equals_first_call"] = bool(np.array_equal(got, first))
+    return {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
+            "rows": int(positions.shape[0]), "layers": args.layers or model.config.num_layers,
+            "devices": jax.device_count(), "host_cpu": common.host_cpu()}
+
+
+if __name__ == "__main__":
+    main()
