@@ -80,10 +80,10 @@ from stare_jax.rl.stare import ControllerState, controller_update, stare_weights
 from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
 
 # XLA:CPU hands matmuls to YNNPACK fusions by default, and the update keeps them. Compiled without
-# them (Eigen's matmuls, ~15-25% faster on the update's large products), the real model's update on
-# two CPU devices returned wrong hidden states: the first ~512 positions of each device's rows off by
-# up to 78 after layer 17-30 of SmolLM2's 30, different from call to call, while one device, the
-# first 16 layers, or YNNPACK's matmuls gave the reference values (docs/performance.md, "Eigen's
+# them (Eigen's matmuls: the real-model update 1.23x faster on the Xeon with AMX), the real model's
+# update on two CPU devices returned wrong hidden states: the first ~512 positions of each device's
+# rows off by up to 78 after layer 17-30 of SmolLM2's 30, different from call to call, while one
+# device, the first 16 layers, or YNNPACK's matmuls gave the reference values (docs/performance.md, "Eigen's
 # matmuls in the update gave wrong results on two CPU devices"). XLA's tree-reduction rewrite stays
 # off: it turns every reduction longer than 32 into a windowed tree reduction and a second pass (for
 # the rounding of long float sums); the update's long sums are matmuls (`decoder.column_sum`) or
