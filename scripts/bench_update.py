@@ -208,6 +208,9 @@ def main() -> None:
                   "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
                   "vocab_keep_logits_mb": config.model.vocab_keep_logits_mb,
                   "loss": float(out["loss"]), "state_digest": state_fingerprint(state),
+                  # the policy is the behaviour policy at this update, so ~0 unless the update's
+                  # forward disagrees with the sampler's (0.81 under the faulty Eigen matmuls)
+                  "approx_kl": float(out["approx_kl"]),
                   "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
                   "devices": jax.device_count(), "malloc": allocator.name()}
         if trace:

@@ -634,6 +634,7 @@ def test_bench_update_keeps_its_programs_in_the_compilation_cache(tmp_path):
     assert all(r["times_s"][0] > 0 for r in results)
     # two processes, one batch: the updated train state is the same to the bit
     assert len(results[0]["state_digest"]) == 16 and results[0]["state_digest"] == results[1]["state_digest"]
+    assert abs(results[0]["approx_kl"]) < 1e-4  # the update's forward agrees with the sampler's
     assert results[0]["loss"] == results[1]["loss"]
     # --digest-out: one line per process, every metric and every leaf's digest, equal in both
     records = [json.loads(line) for line in (tmp_path / "digests.jsonl").read_text().splitlines()]
