@@ -140,6 +140,9 @@ def main() -> None:
     import jax
     import numpy as np
 
+    from flax import nnx
+
+    from stare_jax.checkpoint import state_digest
     from stare_jax.rl import create_train_state, make_update_step
 
     mesh = parallel.mesh_from_config(base.mesh)
@@ -199,6 +202,7 @@ def main() -> None:
             faults.append(used["minor_faults"])
             if trace and r == args.reps - 1:
                 jax.profiler.stop_trace()
+        leaves = state_digest(nnx.state(state))  # the updated state, leaf by leaf
         model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
         result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
                   "model_tflop": round(model_flops / 1e12, 4), "matmul_peak_gflops": peak,
@@ -207,7 +211,7 @@ def main() -> None:
                   "response_tokens": int(batch["response_mask"].sum()),
                   "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
                   "vocab_keep_logits_mb": config.model.vocab_keep_logits_mb,
-                  "loss": float(out["loss"]), "state_digest": state_fingerprint(state),
+                  "loss": float(out["loss"]), "state_digest": state_fingerprint(leaves),
                   # the policy is the behaviour policy at this update, so ~0 unless the update's
                   # forward disagrees with the sampler's (0.81 under the faulty Eigen matmuls)
                   "approx_kl": float(out["approx_kl"]),
@@ -227,35 +231,25 @@ def main() -> None:
             result["matmuls"] = matmul_accounting(executed, result["matmul_s"], model_flops, times[-1], peak,
                                                   jax.device_count())
         if args.digest_out:
-            write_digest(args.digest_out, setting, state, out)
+            write_digest(args.digest_out, setting, leaves, out)
         print(json.dumps(result), flush=True)
         del state, update, policy
 
 
-def state_fingerprint(state) -> str:
-    """16 hex digits of the SHA-256 of the train state's per-leaf digests (`stare_jax.checkpoint.
-    state_digest`: exact integer sums of every array's bits): equal only when the updated
-    parameters and optimizer state are equal to the bit, so runs can be compared across processes."""
+def state_fingerprint(leaves: dict) -> str:
+    """16 hex digits of the SHA-256 of a train state's per-leaf digests (`leaves`:
+    `stare_jax.checkpoint.state_digest`, exact integer sums of every array's bits): equal only when
+    the parameters and optimizer state are equal to the bit, so runs compare across processes."""
     import hashlib
 
-    from flax import nnx
-
-    from stare_jax.checkpoint import state_digest
-
-    digest = state_digest(nnx.state(state))
-    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(leaves, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write_digest(path: str, setting: dict, state, metrics: dict) -> None:
+def write_digest(path: str, setting: dict, leaves: dict, metrics: dict) -> None:
     """Appends {setting, metrics, leaves} as one JSON line to `path`: every metric of the update (its
-    float32 scalars as exact float64 values) and `checkpoint.state_digest` of the updated state, leaf
+    float32 scalars as exact float64 values) and the updated state's `checkpoint.state_digest`, leaf
     by leaf, so two processes' files name the first parameter or optimizer leaf that differs."""
-    from flax import nnx
-
-    from stare_jax.checkpoint import state_digest
-
-    record = {"setting": setting, "metrics": {k: float(v) for k, v in sorted(metrics.items())},
-              "leaves": state_digest(nnx.state(state))}
+    record = {"setting": setting, "metrics": {k: float(v) for k, v in sorted(metrics.items())}, "leaves": leaves}
     with open(path, "a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
