@@ -653,3 +653,24 @@ def test_check_update_kernels_refuses_bad_input(tmp_path):
     missing = subprocess.run([sys.executable, script, "--batch-cache", str(tmp_path / "none.pkl")], cwd=ROOT,
                              env=subprocess_env(1), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "bench_update.py --reps 1" in missing.stderr
+
+
+def test_bench_matmul_shapes_times_every_product_under_each_option_set():
+    """`scripts/bench_matmul_shapes.py` on tiny shapes: one JSON object with, for each option set,
+    every product's GFLOP/s a device (positive, one best time per round) and the one-product peak
+    halved per device; options that are not an object of objects exit 2 with one line."""
+    script = os.path.join(ROOT, "scripts", "bench_matmul_shapes.py")
+    small = ["--tokens", "64", "--hidden", "32", "--qkv", "16", "--mlp", "16", "--vocab-chunk", "32",
+             "--square", "64", "--repeats", "1", "--rounds", "2", "--devices", "2"]
+    run = subprocess.run([sys.executable, script, *small], cwd=ROOT, env=subprocess_env(2),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result["products"]) == {"shipped", "eigen"} and result["devices"] == 2
+    for rows in result["products"].values():
+        assert len(rows) == 13 and "gate/up dW h^T@g" in rows and "square 64" in rows
+        assert all(r["gflops_per_device"] > 0 and len(r["best_s"]) == 2 for r in rows.values())
+    assert result["one_product_peak_per_device_gflops"] == round(result["one_product_peak_gflops"] / 2, 1)
+    bad = subprocess.run([sys.executable, script, "--options", '{"a": 1}'], cwd=ROOT, env=subprocess_env(1),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--options must be a non-empty JSON object" in bad.stderr
