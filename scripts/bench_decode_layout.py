@@ -48,6 +48,11 @@ def main() -> None:
     if args.profile and (args.row_major or len([s for s in args.layouts.split(",") if s]) != 1):
         ap.error("--profile traces one layout: give exactly one in --layouts (e.g. one_device+row_major), "
                  "without --row-major")
+    unknown = [s for s in args.layouts.split(",")
+               if s and (s.split("+")[0] not in LAYOUTS or s.count("+") > 1 or ("+" in s and not s.endswith("+row_major")))]
+    if unknown or not [s for s in args.layouts.split(",") if s]:
+        ap.error(f"--layouts: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(LAYOUTS)} "
+                 "(each optionally with +row_major)")
     if args.profile:  # the optimised programs, to name each traced op's output shape
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.profile}/hlo "
                                    "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$").strip()

@@ -441,7 +441,8 @@ def test_bench_vocab_pass_times_a_git_ref_beside_the_working_tree(tmp_path):
 
 def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):
     """The decode-layout benchmark runs the same rollout on the data-parallel, one-device and
-    tensor-parallel layouts of a 2-device host and reports each one's time per decode step."""
+    tensor-parallel layouts of a 2-device host and reports each one's time per decode step; an
+    unknown layout exits 2 with one line."""
     model_dir, _ = tiny_model
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_layout.py"), "--model", model_dir,
                         "--rows", "8", "--new-tokens", "3", "--prompt-len", "4", "--rounds", "1", "--cpu-devices", "2"],
@@ -465,6 +466,9 @@ def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):
     both = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_layout.py"), "--profile",
                            str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert both.returncode == 2 and "exactly one" in both.stderr
+    unknown = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_decode_layout.py"), "--layouts",
+                              "data,data_parallel"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "--layouts: unknown data_parallel" in unknown.stderr
 
 
 def test_bench_neighbour_times_the_update_after_each_interlude():
