@@ -328,6 +328,44 @@ def test_bench_update_counts_the_matmul_flops_each_traced_dot_executed():
     assert acc["mfu_traced"] == round(5e12 / 80.0 / 130e9, 3) and acc["non_dot_seconds_per_device"] == 30.0
 
 
+def test_cpu_profile_counts_ynnpack_fusions_that_hold_a_dot_as_matmuls():
+    """On XLA:CPU most products run as YNNPACK fusions (`ynn_fusion.N`, kind=kCustom, calling a
+    computation that holds the dot): such a fusion is a matmul with its dot's FLOPs, its inner dot
+    is not counted apart, and a YNNPACK fusion without a dot (a reduction) is no matmul; the op-kind
+    split then puts the fusion's time under "dot", and the non-matmul list leaves it out."""
+    profile_ops = _load_script("profile_ops", "bench_peers", "profile_ops.py")
+    hlo = """
+%fused_computation.19 (param_0.1: f32[6144,576], param_1.1: f32[576,3072]) -> f32[6144,3072] {
+  %param_0.1 = f32[6144,576]{1,0} parameter(0)
+  %param_1.1 = f32[576,3072]{1,0} parameter(1)
+  ROOT %dot.7 = f32[6144,3072]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_computation.185 (param_0.2: f32[], param_1.2: f32[32,64,8]) -> f32[32,64] {
+  %param_1.2 = f32[32,64,8]{2,1,0} parameter(1)
+  %param_0.2 = f32[] parameter(0)
+  ROOT %reduce.3 = f32[32,64]{1,0} reduce(%param_1.2, %param_0.2), dimensions={2}, to_apply=%add
+}
+
+ENTRY %main.1 (x: f32[6144,576], w: f32[576,3072]) -> f32[6144,3072] {
+  %x = f32[6144,576]{1,0} parameter(0)
+  %g = f32[6144,3072]{1,0} parameter(2)
+  %ynn_fusion.19 = f32[6144,3072]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_computation.19, metadata={op_name="jit(u)/jvp()/...d,df->...f/dot_general"}, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  %ynn_fusion.185 = f32[32,64]{1,0} fusion(%c, %b), kind=kCustom, calls=%fused_computation.185, metadata={op_name="jit(u)/jvp()/reduce_sum"}, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+  %dot.9 = f32[576,3072]{1,0} dot(%x, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+"""
+    flops = profile_ops.dot_flops([hlo])
+    assert flops == {"ynn_fusion.19": 2.0 * 6144 * 3072 * 576, "dot.9": 2.0 * 576 * 3072 * 6144}
+    events = [("t0", "ynn_fusion.19", 0.0, 3_000_000.0), ("t0", "ynn_fusion.185", 3_000_000.0, 1_000_000.0),
+              ("t1", "dot.9", 0.0, 2_000_000.0)]
+    assert profile_ops.op_seconds_per_device(events, 2, flops) == {"dot": 2.5, "fusion": 0.5}
+    shapes = profile_ops.hlo_output_shapes([hlo])
+    assert [r[0] for r in profile_ops.costliest_ops(events, shapes, {}, 2, exclude=("dot",), matmuls=flops)] == [
+        "ynn_fusion.185"]
+    assert profile_ops.executed_dot_flops(events, flops) == 2 * 2.0 * 6144 * 3072 * 576
+
+
 def test_profile_summary_on_an_accelerator_reads_the_device_ops(tmp_path):
     """On a GPU the host threads hold only launches (one CUDA-graph launch for a whole update):
     `trace_events` then reads each device plane's "XLA Ops" line, one thread per device, and leaves

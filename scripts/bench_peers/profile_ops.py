@@ -270,10 +270,13 @@ GPU_MATMUL_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$matmul")
 def dot_flops(hlo_texts) -> dict[str, float]:
     """{matmul instruction name: FLOPs of one execution} of optimised HLO module texts: 2 x the
     output's elements x the product of the contracting dimensions. Counted: every `dot` instruction
-    (XLA:CPU's Eigen matmuls; matmuls inside XNNPACK/YNNPACK fusions are not), and on a GPU every
-    library matmul custom call (`GPU_MATMUL_TARGETS`; the output is the tuple's first element, the
-    contracting dimensions those of its `dot_dimension_numbers`) and every Triton gemm fusion
-    ("gemm_fusion..."; the FLOPs of the dots in the computation it calls)."""
+    (XLA:CPU's Eigen matmuls), every XLA:CPU YNNPACK/XNNPACK fusion ("ynn_fusion...",
+    "xnn_fusion...") whose computation holds a dot (the products XLA:CPU hands to YNNPACK, most of
+    a CPU update's matmul time; a library fusion without a dot, such as a YNNPACK reduction, is not
+    a matmul), and on a GPU every library matmul custom call (`GPU_MATMUL_TARGETS`; the output is
+    the tuple's first element, the contracting dimensions those of its `dot_dimension_numbers`) and
+    every Triton gemm fusion ("gemm_fusion..."). A fusion counts the FLOPs of the dots in the
+    computation it calls as its own; those dots never run alone and are not counted apart."""
     flops: dict[str, float] = {}
     for text in hlo_texts:
         shapes = hlo_output_shapes([text])
@@ -299,7 +302,7 @@ def dot_flops(hlo_texts) -> dict[str, float]:
             if f is not None:
                 flops[name] = f
         bodies = dict(re.findall(r"\n%([\w.\-]+) [^\n]*\{\n(.*?)\n\}", text, flags=re.S))
-        for name, called in re.findall(r"%(gemm_fusion[\w.\-]*) = [^\n]*? fusion\([^\n]*?calls=%([\w.\-]+)", text):
+        for name, called in re.findall(r"%((?:gemm|ynn|xnn)_fusion[\w.\-]*) = [^\n]*? fusion\([^\n]*?calls=%([\w.\-]+)", text):
             inner = [d for d in re.findall(r"%([\w.\-]+) = \S+ dot\(", bodies.get(called, "")) if d in flops]
             if inner:  # the fusion runs as one kernel: its dots are counted as its own
                 flops[name] = sum(flops.pop(d) for d in inner)
