@@ -298,13 +298,15 @@ def real_workload(model: str, cache_root: str, new_tokens: int, seed: int = 0) -
     if is_gguf_source(model):
         src = smollm2_gguf_path() if model == "smollm2" else model
         if not os.path.isfile(src):
-            raise SystemExit(f"bench_step: --model {model}: no such file")
+            print(f"bench_step: --model {model}: no such file", file=sys.stderr)
+            raise SystemExit(2)
         name = "smollm2" if model == "smollm2" else os.path.splitext(os.path.basename(src))[0]
         checkpoint = ensure_converted(src, os.path.join(cache_root, name))
     elif os.path.isfile(os.path.join(model, "config.json")):
         checkpoint = os.path.abspath(model)
     else:
-        raise SystemExit(f"bench_step: --model {model}: not 'smollm2', a .gguf file or a Hugging Face directory")
+        print(f"bench_step: --model {model}: not 'smollm2', a .gguf file or a Hugging Face directory", file=sys.stderr)
+        raise SystemExit(2)
     with open(os.path.join(checkpoint, "config.json")) as f:
         hf = json.load(f)
     tok = AutoTokenizer.from_pretrained(checkpoint)

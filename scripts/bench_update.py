@@ -105,6 +105,8 @@ def main() -> None:
         settings = [json.loads(s) for s in args.setting] or [{}]
     except json.JSONDecodeError as e:
         ap.error(f"--setting: not JSON: {e}")
+    if not all(isinstance(s, dict) for s in settings):
+        ap.error("--setting: a JSON object of config overrides, e.g. '{\"model.vocab_chunk\": 1024}'")
     if args.profile:  # on a GPU, ops run inside CUDA graphs are invisible to the profiler; the optimised
         # programs are dumped to name each traced op's output shape and source
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer= "
@@ -134,6 +136,12 @@ def main() -> None:
                     keep_logits_mb=args.keep_logits_mb,
                     cpu_devices=args.cpu_devices or cpu_devices_per_core(workload["num_prompts"]))
     base = ours_peer.bench_config(workload)
+    configs = []  # every setting's config, checked before the (minutes-long) batch is built
+    for setting in settings:
+        try:
+            configs.append(ours_peer.with_overrides(ours_peer.bench_config(workload), setting))
+        except KeyError as e:
+            refuse(f"bench_update: --setting: {e.args[0]}")
     distributed.initialize(base)
     from stare_jax import compilation
     compilation.use_persistent_cache(base.compilation_cache_dir)  # $STARE_COMPILATION_CACHE_DIR if set
@@ -146,6 +154,11 @@ def main() -> None:
     from stare_jax.rl import create_train_state, make_update_step
 
     mesh = parallel.mesh_from_config(base.mesh)
+    for setting, config in zip(settings, configs):
+        try:
+            config_lib.validate(config, jax.device_count())
+        except config_lib.ConfigError as e:
+            refuse(f"bench_update: --setting {json.dumps(setting)}: {e}")
     if not os.path.exists(args.batch_cache):
         from stare_jax.rewards import RewardPool
         from stare_jax.trainer import collect_batch
@@ -168,15 +181,7 @@ def main() -> None:
         batch = pickle.load(f)
 
     peaks: dict[str, float] = {}  # XLA's matmul peak on this device in each setting's dtype (the MFU's denominator)
-    for i, setting in enumerate(settings):
-        try:
-            config = ours_peer.with_overrides(ours_peer.bench_config(workload), setting)
-        except KeyError as e:
-            raise SystemExit(f"bench_update: --setting: {e.args[0]}")
-        try:
-            config_lib.validate(config, jax.device_count())
-        except config_lib.ConfigError as e:
-            raise SystemExit(f"bench_update: --setting {json.dumps(setting)}: {e}")
+    for i, (setting, config) in enumerate(zip(settings, configs)):
         dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
         if dtype not in peaks:  # as bench_step.py measures it
             peaks[dtype] = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, dtype), common.accelerator_sizes())
@@ -252,6 +257,12 @@ def write_digest(path: str, setting: dict, leaves: dict, metrics: dict) -> None:
     record = {"setting": setting, "metrics": {k: float(v) for k, v in sorted(metrics.items())}, "leaves": leaves}
     with open(path, "a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def refuse(message: str) -> None:
+    """Bad input: `message` on stderr as one line, exit status 2."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def matmul_accounting(executed_flops: float, dot_s: float, model_flops: float, update_s: float, peak_gflops: float,

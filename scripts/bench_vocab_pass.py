@@ -51,10 +51,13 @@ def main() -> None:
     args = ap.parse_args()
     accumulations = [a for a in args.dw.split(",") if a]
     if not accumulations or set(accumulations) - {"allreduce_in_loop", "per_device_partials"}:
-        sys.exit("bench_vocab_pass: --dw: allowed: allreduce_in_loop, per_device_partials")
-    chunks = [int(c) for c in args.chunks.split(",") if c]
+        ap.error("--dw: allowed: allreduce_in_loop, per_device_partials")
+    try:
+        chunks = [int(c) for c in args.chunks.split(",") if c]
+    except ValueError:
+        ap.error(f"--chunks: comma-separated integers, got {args.chunks!r}")
     if args.tokens < 1 or args.rounds < 1 or args.devices < 2 or not chunks or min(chunks) < 1:
-        sys.exit("bench_vocab_pass: --tokens, --rounds and every chunk must be >= 1, --devices >= 2")
+        ap.error("--tokens, --rounds and every chunk must be >= 1, --devices >= 2")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
 
@@ -118,7 +121,8 @@ def module_at_ref(ref: str, path: str):
         source = subprocess.run(["git", "-C", root, "show", f"{ref}:{path}"], check=True, capture_output=True,
                                 text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        sys.exit(f"bench_vocab_pass: --against {ref!r}: cannot read {path} there ({e})")
+        print(f"bench_vocab_pass: --against {ref!r}: cannot read {path} there ({e})".splitlines()[0], file=sys.stderr)
+        raise SystemExit(2)
     with tempfile.TemporaryDirectory(prefix="bench_vocab_pass_") as tmp:  # gone once the module is loaded
         file = os.path.join(tmp, os.path.basename(path))
         with open(file, "w") as f:

@@ -210,7 +210,10 @@ def test_bench_step_refuses_a_missing_model(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--model",
                         str(tmp_path / "nope.gguf"), "--steps", "1"],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "no such file" in r.stderr
+    assert r.returncode == 2 and "no such file" in r.stderr
+    other = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--model", str(tmp_path),
+                            "--steps", "1"], cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and "not 'smollm2', a .gguf file or a Hugging Face directory" in other.stderr
 
 
 def _load_script(name, *path):
@@ -455,6 +458,11 @@ def test_bench_vocab_pass_times_both_dw_accumulations(tmp_path):
     assert {(x["chunk"], x["dw"]) for x in rows} == {(c, d) for c in (16, 97)
                                                       for d in ("allreduce_in_loop", "per_device_partials")}
     assert all(x["median_s"] > 0 and len(x["times_s"]) == 1 and x["devices"] == 2 for x in rows)
+    for bad, msg in ((["--chunks", "16,x"], "--chunks: comma-separated integers"), (["--dw", "sum"], "--dw: allowed"),
+                     (["--devices", "1"], "--devices >= 2")):
+        b = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_vocab_pass.py"), *bad], cwd=ROOT,
+                           env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+        assert b.returncode == 2 and msg in b.stderr, b.stderr[-2000:]
 
 
 def test_bench_vocab_pass_times_a_git_ref_beside_the_working_tree(tmp_path):
@@ -474,7 +482,7 @@ def test_bench_vocab_pass_times_a_git_ref_beside_the_working_tree(tmp_path):
     assert [(x["code"], x["dw"], x["with_pi2"]) for x in rows] == [("working tree", "per_device_partials", True),
                                                                    ("HEAD", "per_device_partials", True)]
     bad = run("--against", "no-such-ref-xyz")
-    assert bad.returncode != 0 and "--against 'no-such-ref-xyz'" in bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "--against 'no-such-ref-xyz'" in bad.stderr.strip().splitlines()[-1]
 
 
 def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):
@@ -716,3 +724,16 @@ def test_bench_matmul_shapes_times_every_product_under_each_option_set():
     bad = subprocess.run([sys.executable, script, "--options", '{"a": 1}'], cwd=ROOT, env=subprocess_env(1),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--options must be a non-empty JSON object" in bad.stderr
+
+
+def test_bench_update_refuses_a_bad_setting_before_building_its_batch(tmp_path):
+    """`scripts/bench_update.py`: an unknown config key, a setting the config's validation refuses,
+    or one that is not a JSON object, exits 2 with one line before the (minutes-long on the real model) batch is sampled."""
+    script = os.path.join(ROOT, "scripts", "bench_update.py")
+    for setting, msg in (('{"model.vocab_chnk": 1}', "unknown config key 'model.vocab_chnk'"),
+                         ('{"model.vocab_chunk": 0}', "vocab_chunk"), ("[1]", "a JSON object of config overrides")):
+        r = subprocess.run([sys.executable, script, "--workload", "smoke", "--setting", setting, "--model-cache",
+                            str(tmp_path / "models"), "--batch-cache", str(tmp_path / "batch.pkl")], cwd=ROOT,
+                           env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and msg in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+        assert not (tmp_path / "batch.pkl").exists()
