@@ -454,13 +454,33 @@ def report(root: str, rows: Sequence[Row], seeds: Sequence[int], total_steps: in
     return text
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a study's --steps: 0 or less is a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, got {value}")
+    return value
+
+
+def seed_list(text: str) -> str:
+    """argparse type: comma-separated integers >= 0 (a study's --seeds), returned as given; "" stands
+    for the study's default seeds."""
+    parts = [x for x in text.split(",") if x]
+    if not all(x.isdigit() for x in parts) or (text and not parts):
+        raise argparse.ArgumentTypeError(f"comma-separated integers >= 0, got {text!r}")
+    return text
+
+
 def study_arguments(p: argparse.ArgumentParser, *, root: str, out: str, rows: Sequence[Row]) -> None:
     """Adds the options every countdown study takes to `p`: where its runs live, seeds, rows, steps,
     figure, table, --report-only, --list and extra config overrides."""
     p.add_argument("--root", default=root, help="directory of all the study's runs")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds", type=seed_list, default="0,1,2")
     p.add_argument("--rows", default=",".join(r.name for r in rows), help="comma-separated row names (--list)")
-    p.add_argument("--steps", type=int, default=None, help="total_steps of every run (default: the config's)")
+    p.add_argument("--steps", type=positive_int, default=None, help="total_steps of every run (default: the config's)")
     p.add_argument("--out", default=out)
     p.add_argument("--table", default="", help="also write the Markdown report here (default: ROOT/table.md)")
     p.add_argument("--report-only", action="store_true", help="do not train; summarise what has finished")

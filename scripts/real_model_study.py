@@ -353,8 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default="runs/real_model_study")
     p.add_argument("--rows", default="", help="comma-separated row names (default: every available row)")
-    p.add_argument("--seeds", default="", help="seeds of every row (default: 0,1 for grpo_ds and stare, 0 else)")
-    p.add_argument("--steps", type=int, default=None, help="total_steps of every run (default: the recipe's)")
+    p.add_argument("--seeds", type=es.seed_list, default="",
+                   help="seeds of every row (default: 0,1 for grpo_ds and stare, 0 else)")
+    p.add_argument("--steps", type=es.positive_int, default=None, help="total_steps of every run (default: the recipe's)")
     p.add_argument("--out", default="docs/figures/real_model_study.png")
     p.add_argument("--table", default="", help="also write the Markdown table here (default: ROOT/table.md)")
     p.add_argument("--report-only", action="store_true")
@@ -362,7 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--at-step", default="", help="comma-separated steps: evaluate every run's checkpoint there "
                    "(runs that stopped early included; with --report-only too) and add an equal-steps table")
     a = p.parse_args(argv)
-    at_steps = [int(x) for x in a.at_step.split(",") if x]
+    try:
+        at_steps = [int(x) for x in a.at_step.split(",") if x]
+    except ValueError:
+        p.error(f"--at-step: comma-separated integers, got {a.at_step!r}")
     rows = available_rows()
     if a.list:
         for r in ROWS:

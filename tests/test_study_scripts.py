@@ -272,3 +272,16 @@ def test_study_lists_its_rows_and_refuses_unknown_ones(study, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown rows ['nope']" in err and mod.ROWS[0].name in err
     assert not os.listdir(tmp_path)  # nothing started
+
+
+@pytest.mark.parametrize("study", ["entropy_study", "quadrant_study", "real_model_study"])
+@pytest.mark.parametrize("args", [["--steps", "0"], ["--steps", "-3"], ["--steps", "x"], ["--seeds", "0,a"]])
+def test_study_refuses_bad_steps_and_seeds_before_starting(study, args, tmp_path, capsys):
+    """`--steps 0` once fell back to the config's full length (`a.steps or base.total_steps`) and
+    started the whole study; a negative one reached every run. Both, and seeds that are not
+    integers, are usage errors (exit 2) now, before any run starts."""
+    mod = {"entropy_study": entropy_study, "quadrant_study": quadrant_study}.get(study) or _load(study)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--root", str(tmp_path), *args])
+    assert e.value.code == 2 and f"argument {args[0]}: " in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
