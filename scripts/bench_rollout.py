@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="JAX CPU devices to split the rows over (0: one per core, dividing the prompt count)")
     args = ap.parse_args()
+    if min(args.repeats, args.batch, args.group_size, args.new_tokens, args.prompt_len) < 1 or args.cpu_devices < 0:
+        ap.error("--repeats, --batch, --group-size, --new-tokens and --prompt-len must be >= 1, --cpu-devices >= 0")
     if args.batch % args.group_size:
         ap.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
     num_prompts = args.batch // args.group_size

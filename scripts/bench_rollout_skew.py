@@ -148,6 +148,10 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--cpu-devices", type=int, default=1, help="JAX CPU devices (rows split over them when > 1)")
     args = ap.parse_args()
+    if min(args.repeats, args.batch, args.group_size, args.new_tokens, args.prompt_len, args.cpu_devices) < 1:
+        ap.error("--repeats, --batch, --group-size, --new-tokens, --prompt-len and --cpu-devices must be >= 1")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        ap.error(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     if args.batch % args.group_size:
         ap.error(f"--batch {args.batch} must be a multiple of --group-size {args.group_size}")
     if (args.length_mix == "recorded") != bool(args.lengths_from):
@@ -161,8 +165,11 @@ def main() -> None:
         ap.error(f"--slots: comma-separated integers or 'none', got {args.slots!r}")
     if slot_counts and min(slot_counts) < 1:
         ap.error("--slots must be positive")
-    static_rows = [int(s) for s in args.static_rows.split(",") if s]
-    compact_rows = [int(s) for s in args.compact.split(",") if s]
+    try:
+        static_rows = [int(s) for s in args.static_rows.split(",") if s]
+        compact_rows = [int(s) for s in args.compact.split(",") if s]
+    except ValueError:
+        ap.error(f"--static-rows and --compact: comma-separated integers, got {args.static_rows!r} and {args.compact!r}")
     if min(compact_rows, default=1) < 1:
         ap.error("--compact: each must be a positive row count")
     if any(r < 1 or r % args.group_size or args.batch % r for r in static_rows):

@@ -737,3 +737,17 @@ def test_bench_update_refuses_a_bad_setting_before_building_its_batch(tmp_path):
                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and msg in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
         assert not (tmp_path / "batch.pkl").exists()
+
+
+@pytest.mark.parametrize("script,args,msg", [
+    ("bench_rollout.py", ["--new-tokens", "0"], "--new-tokens and --prompt-len must be >= 1"),
+    ("bench_rollout_skew.py", ["--repeats", "0"], "--cpu-devices must be >= 1"),
+    ("bench_rollout_skew.py", ["--model", "/nonexistent"], "not a Hugging Face model directory"),
+    ("bench_rollout_skew.py", ["--compact", "x"], "--static-rows and --compact: comma-separated integers"),
+])
+def test_rollout_benchmarks_refuse_bad_input_with_exit_2(script, args, msg):
+    """Bad sizes, a missing model and unparsable lists are usage errors (exit 2, the message on the
+    last line), not tracebacks from inside the sampler or the model loader."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], cwd=ROOT,
+                       env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and msg in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
