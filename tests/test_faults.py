@@ -21,7 +21,7 @@ from stare_jax import checkpoint as ckpt_lib
 from stare_jax import trainer
 from stare_jax.writers import read_jsonl
 
-from tests.e2e_helpers import (QUICKSTART, ROOT, comparable, override_args, run_train, subprocess_env, tiny_overrides,
+from tests.e2e_helpers import (QUICKSTART, ROOT, comparable, run_train, subprocess_env, tiny_overrides,
                                train_cmd)
 
 EVAL = {"eval.enabled": True, "eval.n": 2, "eval.max_prompts": 4}

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from stare_jax.config import parse_quadrants
-from stare_jax.rl import losses
 from stare_jax.rl.advantages import (entropy_token_advantages, group_advantages, hapo_token_advantages,
                                      w_reinforce_token_advantages)
 from stare_jax.rl.diagnostics import polarity_entropy_diagnostics, polarity_entropy_quadrants
