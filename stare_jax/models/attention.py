@@ -15,7 +15,8 @@ to the keys/values of their group's prompt (computed once per prompt) and causal
   response-to-response work is (nb + 1) / (2 nb) of the full R x R square.
 * Backward written out (the flash-attention identities), reusing the forward's probabilities,
   with D = rowsum(do * o):  ds = p * (do v^T - D),  dq = ds k / sqrt(hd),  dk = ds^T q / sqrt(hd),
-  dv = p^T do.
+  dv = p^T do; the prompt part's ds^T and p^T are formed explicitly (small), so that its dk and dv
+  are plain batched matmuls.
 
 Autodiff of the plain einsum formulation gives the same values (tests/test_models.py), but
 XLA:CPU wrapped each of its batched products in transposes and ran the full square: attention
@@ -118,8 +119,13 @@ def _vjp_backward(res, d_out):
     dp_p = _mm("bkmd,bkpd->bkmp", do_rows, vph, dtype).reshape(p_p.shape)
     ds_p = (p_p * (dp_p - rowdot[..., None])).reshape(B, K, M, P)
     dq_prompt = _mm("bkmp,bkpd->bkmd", ds_p, kph, dtype).reshape(qh.shape)
-    dkp = _mm("bkmp,bkmd->bkpd", ds_p, q_rows, dtype) * scale
-    dvp = _mm("bkmp,bkmd->bkpd", p_p.reshape(B, K, M, P), do_rows, dtype)
+    # dk_p = ds_p^T q and dv_p = p_p^T do contract the M query rows: with the [B,K,M,P] operands as
+    # they are, the left one is transposed, which XLA:CPU runs in Eigen at a few GFLOP/s (P is 32-96
+    # prompt positions; YNNPACK takes no transposed left operand). Both are transposed to [B,K,P,M]
+    # first (a few MB), behind a barrier so that XLA does not fold the transpose back into the product.
+    ds_pt, p_pt = jax.lax.optimization_barrier((jnp.swapaxes(ds_p, 2, 3), jnp.swapaxes(p_p.reshape(B, K, M, P), 2, 3)))
+    dkp = _mm("bkpm,bkmd->bkpd", ds_pt, q_rows, dtype) * scale
+    dvp = _mm("bkpm,bkmd->bkpd", p_pt, do_rows, dtype)
     dq_response = []
     dkr, dvr = jnp.zeros(krh.shape, _F32), jnp.zeros(vrh.shape, _F32)
     for i in range(nb):
