@@ -32,9 +32,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "bench_peers"))
 
-DEFAULT_OPTIONS = {"shipped": {"xla_disable_hlo_passes": "tree_reduction_rewriter"},
-                   "eigen": {"xla_cpu_experimental_ynn_fusion_type": "",
-                             "xla_disable_hlo_passes": "tree_reduction_rewriter"}}
+
+def default_option_sets() -> dict:
+    """The update's shipped CPU options (`update.CPU_UPDATE_COMPILER_OPTIONS`) and the same with
+    Eigen's matmuls (`check_update_kernels.EIGEN_MATMULS`). Imports JAX: call after XLA_FLAGS is set."""
+    from check_update_kernels import EIGEN_MATMULS
+
+    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS
+
+    return {"shipped": dict(CPU_UPDATE_COMPILER_OPTIONS), "eigen": dict(EIGEN_MATMULS)}
 
 
 def products(tokens: int, hidden: int, qkv: int, mlp: int, vocab_chunk: int, square: int):
@@ -71,15 +77,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed calls a round (best taken)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, the option sets alternating")
     ap.add_argument("--devices", type=int, default=2, help="CPU devices, each multiplying at once")
-    ap.add_argument("--options", default=json.dumps(DEFAULT_OPTIONS),
+    ap.add_argument("--options", default="",
                     help="JSON object: option-set name -> XLA compiler options (default: the update's "
                          "shipped options and the same with Eigen's matmuls)")
     args = ap.parse_args()
     try:
-        option_sets = json.loads(args.options)
+        option_sets = json.loads(args.options) if args.options else None
     except json.JSONDecodeError as e:
         ap.error(f"--options: not JSON: {e}")
-    if not isinstance(option_sets, dict) or not option_sets or not all(isinstance(v, dict) for v in option_sets.values()):
+    if option_sets is not None and (not isinstance(option_sets, dict) or not option_sets
+                                    or not all(isinstance(v, dict) for v in option_sets.values())):
         ap.error("--options must be a non-empty JSON object of option-set name -> JSON object of options")
     sizes = (args.tokens, args.hidden, args.qkv, args.mlp, args.vocab_chunk, args.square, args.repeats, args.rounds)
     if min(sizes) < 1 or args.devices < 1:
@@ -92,6 +99,8 @@ def main() -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import common
+
+    option_sets = option_sets or default_option_sets()
 
     if jax.default_backend() != "cpu":
         ap.error("this benchmark times XLA:CPU's kernels; run it on a CPU host")

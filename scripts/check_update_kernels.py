@@ -57,6 +57,8 @@ def main() -> None:
         ap.error("--options must be a JSON object")
     if args.calls < 1 or args.layers < 0 or args.rows < 0:
         ap.error("--calls must be >= 1, --layers and --rows >= 0")
+    if args.rows % common.REAL["group_size"]:
+        ap.error(f"--rows must be a multiple of the group size {common.REAL['group_size']}")
     if not os.path.exists(args.batch_cache):
         ap.error(f"--batch-cache {args.batch_cache} does not exist: run `python scripts/bench_update.py --reps 1` "
                  "once to write it")
@@ -87,8 +89,6 @@ def check(args, options: dict) -> dict:
         batch = pickle.load(f)
     group = workload["group_size"]
     if args.rows:
-        if args.rows % group:
-            raise SystemExit(f"check_update_kernels: --rows must be a multiple of the group size {group}")
         batch = {k: np.asarray(v)[:args.rows] for k, v in batch.items()}
     if args.layers:
         arrays = LayerStack.arrays

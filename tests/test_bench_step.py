@@ -700,6 +700,9 @@ def test_check_update_kernels_refuses_bad_input(tmp_path):
     bad = subprocess.run([sys.executable, script, "--options", "[1]"], cwd=ROOT, env=subprocess_env(1),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--options must be a JSON object" in bad.stderr
+    rows = subprocess.run([sys.executable, script, "--rows", "12"], cwd=ROOT, env=subprocess_env(1),
+                          capture_output=True, text=True, timeout=120)
+    assert rows.returncode == 2 and "--rows must be a multiple of the group size 8" in rows.stderr
     missing = subprocess.run([sys.executable, script, "--batch-cache", str(tmp_path / "none.pkl")], cwd=ROOT,
                              env=subprocess_env(1), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "bench_update.py --reps 1" in missing.stderr
