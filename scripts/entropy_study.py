@@ -481,12 +481,27 @@ def study_arguments(p: argparse.ArgumentParser, *, root: str, out: str, rows: Se
     p.add_argument("--seeds", type=seed_list, default="0,1,2")
     p.add_argument("--rows", default=",".join(r.name for r in rows), help="comma-separated row names (--list)")
     p.add_argument("--steps", type=positive_int, default=None, help="total_steps of every run (default: the config's)")
-    p.add_argument("--out", default=out)
+    p.add_argument("--out", default="", help=f"the figure (default: {out} for the full default study, "
+                   f"ROOT/{os.path.basename(out)} when --rows, --seeds, --steps or --override narrow or change it)")
+    p.set_defaults(committed_figure=out)
     p.add_argument("--table", default="", help="also write the Markdown report here (default: ROOT/table.md)")
     p.add_argument("--report-only", action="store_true", help="do not train; summarise what has finished")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
     p.add_argument("--override", action="append", default=[],
                    help="extra --config.key=value for every run (repeatable; changes the study)")
+
+
+def figure_path(a: argparse.Namespace, p: argparse.ArgumentParser,
+                committed: str, study_keys: Sequence[str] = ("rows", "seeds", "steps", "override")) -> str:
+    """Where a study's figure goes: `--out` when given; else the figure the docs show (`committed`)
+    only when every option in `study_keys` has its default (the full study), and ROOT/<its file name>
+    for a narrower or changed one, so that a run of one row or seed never overwrites the committed
+    figure with a partial one."""
+    if a.out:
+        return a.out
+    if all(getattr(a, k) == p.get_default(k) for k in study_keys):
+        return committed
+    return os.path.join(a.root, os.path.basename(committed))
 
 
 def chosen_rows(names: str, by_name: dict[str, Row], study: str) -> list[Row] | None:
@@ -586,10 +601,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = run_jobs(jobs, root, total_steps, lambda row, seed: run_one(
             row, seed, root, a.steps, extra, env, log, share_model=not a.no_share_model), log, done)
     wall = time.time() - t_start
-    text = report(root, rows, seeds, total_steps, target_entropy, group_size, a.out,
+    figure = figure_path(a, p, a.committed_figure)
+    text = report(root, rows, seeds, total_steps, target_entropy, group_size, figure,
                   a.table or os.path.join(root, "table.md"), None if a.report_only else wall, command)
     print(text)
-    log((f"report of {root} written" if a.report_only else f"study done in {wall / 60:.1f} min") + f"; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
+    log((f"report of {root} written" if a.report_only else f"study done in {wall / 60:.1f} min") + f"; figure {figure}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = es.run_jobs(jobs, root, total_steps, lambda row, seed: es.run_one(
             row, seed, root, a.steps, extra, env, log, share_model=True), log)
     wall = time.time() - t_start
-    text = report(root, rows, seeds, total_steps, target_entropy, group_size, a.out,
+    figure = es.figure_path(a, p, a.committed_figure)
+    text = report(root, rows, seeds, total_steps, target_entropy, group_size, figure,
                   a.table or os.path.join(root, "table.md"), None if a.report_only else wall, command)
     print(text)
     log(f"report of {root} written; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))

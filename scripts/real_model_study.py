@@ -1,7 +1,7 @@
 """The real-model study: GRPO-ds vs STARE vs entropy baselines on SmolLM2-135M-Instruct (arithmetic).
 
     python scripts/real_model_study.py --root runs/real_model_study [--rows grpo_ds,stare,...]
-        [--seeds 0,1] [--steps N] [--out docs/figures/real_model_study.png] [--table docs/real_model_table.md]
+        [--seeds 0,1] [--steps N] [--out FIGURE] [--table docs/real_model_table.md]
         [--report-only] [--list] [--at-step 30]
 
 Every row starts from configs/smollm2_math.py (model, task, rollouts, optimiser, steps, evaluation)
@@ -57,6 +57,8 @@ ROW_BY_NAME = {r.name: r for r in ROWS}
 DEFAULT_SEEDS = {"grpo_ds": (0, 1), "stare": (0, 1), "entropy_bonus": (0,), "hapo": (0,),
                  "stare_fast": (0,)}
 PASS_KS = (1, 2, 4, 8)
+#: the figure docs/real_model.md shows: written only by the full default study (`es.figure_path`)
+FIGURE = os.path.join("docs", "figures", "real_model_study.png")
 
 
 def available_rows() -> list[es.Row]:
@@ -356,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=es.seed_list, default="",
                    help="seeds of every row (default: 0,1 for grpo_ds and stare, 0 else)")
     p.add_argument("--steps", type=es.positive_int, default=None, help="total_steps of every run (default: the recipe's)")
-    p.add_argument("--out", default="docs/figures/real_model_study.png")
+    p.add_argument("--out", default="", help=f"the figure (default: {FIGURE} for the full default study, "
+                   "ROOT/real_model_study.png when --rows, --seeds or --steps narrow or change it)")
     p.add_argument("--table", default="", help="also write the Markdown table here (default: ROOT/table.md)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--list", action="store_true")
@@ -409,10 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             except subprocess.CalledProcessError as e:
                 failed.append(f"{row.name} seed {seed} evaluation at step {step}")
                 log(f"FAILED: evaluation of {row.name} seed {seed} at step {step}: {e}")
-    text = report(root, jobs, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size), a.out,
+    figure = es.figure_path(a, p, FIGURE, ("rows", "seeds", "steps"))
+    text = report(root, jobs, total_steps, float(base.stare.target_entropy), int(base.rollout.group_size), figure,
                   a.table or os.path.join(root, "table.md"), command, at_steps)
     print(text)
-    log(f"report written ({(time.time() - t_start) / 60:.1f} min)" + (f"; FAILED: {failed}" if failed else ""))
+    log(f"report written ({(time.time() - t_start) / 60:.1f} min); figure {figure}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed else 0
 
 

@@ -285,3 +285,21 @@ def test_study_refuses_bad_steps_and_seeds_before_starting(study, args, tmp_path
         mod.main(["--root", str(tmp_path), *args])
     assert e.value.code == 2 and f"argument {args[0]}: " in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("study", ["entropy_study", "quadrant_study", "real_model_study"])
+def test_a_partial_study_does_not_overwrite_the_committed_figure(study, tmp_path, monkeypatch):
+    """A run of one row (or other seeds) once wrote its partial figure over the one the docs show
+    (docs/figures/<study>.png, the `--out` default): the full default study still writes there, a
+    narrower one writes ROOT/<study>.png, and `--out` wins over both."""
+    mod = {"entropy_study": entropy_study, "quadrant_study": quadrant_study}.get(study) or _load(study)
+    figures = []
+    monkeypatch.setattr(mod, "report", lambda root, *args, **kw: figures.append(
+        next(x for x in args if isinstance(x, str) and x.endswith(".png"))) or "")
+    committed = os.path.join("docs", "figures", f"{study}.png")
+    one_row = mod.ROWS[0].name
+    for argv, expected in [([], committed), (["--rows", one_row], str(tmp_path / f"{study}.png")),
+                           (["--seeds", "7"], str(tmp_path / f"{study}.png")),
+                           (["--rows", one_row, "--out", str(tmp_path / "mine.png")], str(tmp_path / "mine.png"))]:
+        assert mod.main(["--root", str(tmp_path), "--report-only", *argv]) == 0
+        assert os.path.normpath(figures[-1]) == os.path.normpath(expected), argv
