@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = report(root, rows, seeds, total_steps, target_entropy, group_size, figure,
                   a.table or os.path.join(root, "table.md"), None if a.report_only else wall, command)
     print(text)
-    log(f"report of {root} written; figure {a.out}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
+    log(f"report of {root} written; figure {figure}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
