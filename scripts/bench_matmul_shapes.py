@@ -9,8 +9,9 @@ gate/up 3,072, down 1,536, 1,024-column vocabulary chunks, `--tokens` packed pos
 as `shard_map`ped programs, each device multiplying its own operands, best of `--repeats` calls,
 the option sets alternating in rounds in one process. Forms: the forward x @ W, the input gradient
 g @ W^T, the weight gradient h^T @ g (left operand transposed, which XLA:CPU does not hand to
-YNNPACK), that product with h transposed first behind an optimization barrier, and the forward
-with a leading unit axis (the einsum form of `decoder.dense`).
+YNNPACK), that product with h transposed first behind an optimization barrier, the forward
+and input gradient with the weight stored transposed ([f, d]: x @ W_t^T and g @ W_t), and the
+forward with a leading unit axis (the einsum form of `decoder.dense`).
 
     python scripts/bench_matmul_shapes.py [--tokens 6144] [--repeats 5] [--rounds 2] [--devices 2]
         [--options '{"shipped": {}, "eigen": {"xla_cpu_experimental_ynn_fusion_type": ""}}']
@@ -55,6 +56,8 @@ def products(tokens: int, hidden: int, qkv: int, mlp: int, vocab_chunk: int, squ
             (f"{label} forward x@W", [(t, d), (d, f)], lambda x, w: x @ w, 2 * t * d * f),
             (f"{label} dh g@W^T", [(t, f), (d, f)], lambda g, w: g @ w.T, 2 * t * d * f),
             (f"{label} dW h^T@g", [(t, d), (t, f)], lambda h, g: h.T @ g, 2 * t * d * f),
+            (f"{label} forward, W stored [f,d]", [(t, d), (f, d)], lambda x, wt: x @ wt.T, 2 * t * d * f),
+            (f"{label} dh, W stored [f,d]", [(t, f), (f, d)], lambda g, wt: g @ wt, 2 * t * d * f),
         ]
     rows += [
         ("down forward x@W", [(t, mlp), (mlp, d)], lambda x, w: x @ w, 2 * t * d * mlp),

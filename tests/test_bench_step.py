@@ -721,7 +721,8 @@ def test_bench_matmul_shapes_times_every_product_under_each_option_set():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result["products"]) == {"shipped", "eigen"} and result["devices"] == 2
     for rows in result["products"].values():
-        assert len(rows) == 13 and "gate/up dW h^T@g" in rows and "square 64" in rows
+        assert len(rows) == 19 and "gate/up dW h^T@g" in rows and "square 64" in rows
+        assert "gate/up forward, W stored [f,d]" in rows and "vocab chunk dh, W stored [f,d]" in rows
         assert all(r["gflops_per_device"] > 0 and len(r["best_s"]) == 2 for r in rows.values())
     assert result["one_product_peak_per_device_gflops"] == round(result["one_product_peak_gflops"] / 2, 1)
     bad = subprocess.run([sys.executable, script, "--options", '{"a": 1}'], cwd=ROOT, env=subprocess_env(1),
