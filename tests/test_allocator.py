@@ -106,3 +106,30 @@ def test_the_cache_of_freed_blocks_is_bounded_by_the_soft_limit():
     unbounded, bounded = peak_mb(64), peak_mb(0.25)
     assert unbounded > 900  # cached blocks of most sizes (1.45 GB of them freed; 1.0 GB measured)
     assert bounded < 450, (bounded, unbounded)  # 0.24 GB measured
+
+
+def test_the_following_bound_keeps_a_reserve_and_never_falls_below_half():
+    gib = 2**30
+    # 24 GiB host, the process holds 12, the kernel reports 3 more available: 12 + 3 - 1.5 (1/16)
+    assert allocator.following_limit_bytes(12 * gib, 3 * gib, 24 * gib) == int(13.5 * gib)
+    # little memory left to anyone: half the host, as the fixed default
+    assert allocator.following_limit_bytes(4 * gib, gib // 2, 24 * gib) == 12 * gib
+    # a small host keeps at least 1 GiB back
+    assert allocator.following_limit_bytes(5 * gib, 2 * gib, 8 * gib) == 6 * gib
+    assert allocator.memory_available_bytes() > 0 and allocator.resident_bytes() > 0
+
+
+# Prints what follow_free_memory set, the resident set and the available memory at that moment (bytes).
+FOLLOW = ("from stare_jax import allocator; allocator.reexec_if_wanted(); "
+          "print(allocator.follow_free_memory(), allocator.physical_memory_bytes())")
+
+
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_follow_free_memory_sets_the_bound_only_under_onetbb_without_a_fixed_limit():
+    out = _python(FOLLOW, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb")
+    assert out.returncode == 0, out.stderr
+    limit, physical = (int(v) for v in out.stdout.split())
+    assert physical // 2 <= limit <= physical
+    assert _python(FOLLOW, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb",
+                   STARE_JAX_MALLOC_LIMIT_GB="2").stdout.split()[0] == "None"
+    assert _python(FOLLOW, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system").stdout.split()[0] == "None"
