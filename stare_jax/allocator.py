@@ -17,7 +17,8 @@ soft limit oneTBB hands cached blocks back to the system instead of keeping them
 it, under 4 GB with a 4 GB limit). `STARE_JAX_MALLOC_LIMIT_GB` fixes that limit. Unset, it starts at
 half the host's physical memory, and the trainer moves it at every step to what the host can give
 (`follow_free_memory`): what this process holds plus what the kernel reports available, less a
-reserve of 1/16 of the memory (at least 1 GiB), and never below half. A step whose cached blocks
+reserve of 1/16 of the memory (at least 1 GiB), and never below half (inside a container whose
+memory cgroup is bounded below the host's memory, of that bound and what it leaves). A step whose cached blocks
 exceed a fixed half is handed back and faulted in again each step (12 % of a SmolLM2-135M update on
 a 24 GB host beside another 9 GB process: docs/performance.md); the limit that follows the free
 memory keeps them while the host has room, and shrinks back to half as other processes take it.
@@ -148,6 +149,34 @@ def resident_bytes() -> int | None:
         return None
 
 
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup (v2 `memory.max` / `memory.current`,
+    else v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`), or None when there is no limit below
+    the physical memory or it cannot be read (a container's bound, which /proc/meminfo does not show)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, path in entries:
+        if controllers == "":
+            candidates.append((f"/sys/fs/cgroup{path}", "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            candidates.append((f"/sys/fs/cgroup/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for root, limit_file, usage_file in candidates:
+        try:
+            with open(os.path.join(root, limit_file)) as f:
+                raw = f.read().strip()
+            with open(os.path.join(root, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw != "max" and int(raw) < physical_memory_bytes():
+            return int(raw), usage
+    return None
+
+
 #: the share of physical memory the following limit leaves to the rest of the host (at least 1 GiB)
 RESERVE_FRACTION = 1 / 16
 RESERVE_MIN_BYTES = 1 << 30
@@ -161,7 +190,8 @@ def following_limit_bytes(resident: int, available: int, physical: int) -> int:
 
 
 def soft_limit_bytes(environ: Mapping[str, str]) -> int:
-    """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half the physical memory.
+    """The cache bound a process starts with (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half
+    the physical memory.
     Raises `AllocatorError` for a value that is not a positive number."""
     raw = environ.get(LIMIT_ENV, "").strip()
     if not raw:
@@ -195,10 +225,13 @@ def follow_free_memory(environ: Mapping[str, str] | None = None) -> int | None:
     environ = os.environ if environ is None else environ
     if environ.get(LIMIT_ENV, "").strip() or not _active_cached():
         return None
-    resident, available = resident_bytes(), memory_available_bytes()
+    resident, available, physical = resident_bytes(), memory_available_bytes(), physical_memory_bytes()
     if resident is None or available is None:
         return None
-    limit = following_limit_bytes(resident, available, physical_memory_bytes())
+    container = cgroup_memory()
+    if container is not None:  # a container's bound below the host's memory: what it leaves, of its size
+        available, physical = min(available, max(container[0] - container[1], 0)), container[0]
+    limit = following_limit_bytes(resident, available, physical)
     if _followed.get("limit") != limit:
         _limit_cache(limit)
         _followed["limit"] = limit

@@ -133,3 +133,36 @@ def test_follow_free_memory_sets_the_bound_only_under_onetbb_without_a_fixed_lim
     assert _python(FOLLOW, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb",
                    STARE_JAX_MALLOC_LIMIT_GB="2").stdout.split()[0] == "None"
     assert _python(FOLLOW, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system").stdout.split()[0] == "None"
+
+
+def test_a_containers_memory_cgroup_bounds_what_the_cache_may_take(monkeypatch):
+    gib = 2**30
+    files = {"/proc/self/cgroup": "12:memory:/box\n0::/\n",
+             "/sys/fs/cgroup/memory/box/memory.limit_in_bytes": f"{8 * gib}\n",
+             "/sys/fs/cgroup/memory/box/memory.usage_in_bytes": f"{5 * gib}\n"}
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if path in files:
+            import io
+            return io.StringIO(files[path])
+        if str(path).startswith(("/sys/fs/cgroup", "/proc/self/cgroup")):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(allocator, "open", fake_open, raising=False)
+    monkeypatch.setattr(allocator, "physical_memory_bytes", lambda: 64 * gib)
+    assert allocator.cgroup_memory() == (8 * gib, 5 * gib)  # cgroup v1
+    files["/proc/self/cgroup"] = "0::/box\n"
+    files["/sys/fs/cgroup/box/memory.max"] = "max\n"
+    files["/sys/fs/cgroup/box/memory.current"] = f"{gib}\n"
+    assert allocator.cgroup_memory() is None  # v2, unbounded
+    files["/sys/fs/cgroup/box/memory.max"] = f"{8 * gib}\n"
+    assert allocator.cgroup_memory() == (8 * gib, gib)
+    # under oneTBB, the bound follows the container: 1 GiB resident + min(host's available, 7 GiB left) - 1 GiB
+    monkeypatch.setattr(allocator, "_followed", {"active": True})
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: gib)
+    monkeypatch.setattr(allocator, "memory_available_bytes", lambda: 40 * gib)
+    set_to = []
+    monkeypatch.setattr(allocator, "_limit_cache", set_to.append)
+    assert allocator.follow_free_memory({}) == 7 * gib and set_to == [7 * gib]
