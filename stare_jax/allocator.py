@@ -12,16 +12,9 @@ execution reuses them: ~0.2 M faults an update.
 oneTBB caches each distinct size apart (a freed 1.2 GB block does not serve a 1.1 GB request), so
 a run whose programs vary (the packed update's capacity buckets, the sampler's prompt buckets)
 would keep one block per size. The cache is therefore bounded: once the process holds more than a
-soft limit oneTBB hands cached blocks back to the system instead of keeping them
-(`scalable_allocation_mode`'s soft heap limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without
-it, under 4 GB with a 4 GB limit). `STARE_JAX_MALLOC_LIMIT_GB` fixes that limit. Unset, it starts at
-half the host's physical memory, and the trainer moves it at every step to what the host can give
-(`follow_free_memory`): what this process holds plus what the kernel reports available, less a
-reserve of 1/16 of the memory (at least 1 GiB), and never below half (inside a container whose
-memory cgroup is bounded below the host's memory, of that bound and what it leaves). A step whose cached blocks
-exceed a fixed half is handed back and faulted in again each step (12 % of a SmolLM2-135M update on
-a 24 GB host beside another 9 GB process: docs/performance.md); the limit that follows the free
-memory keeps them while the host has room, and shrinks back to half as other processes take it.
+soft limit (`STARE_JAX_MALLOC_LIMIT_GB`, default half the host's physical memory) oneTBB hands
+cached blocks back to the system instead of keeping them (`scalable_allocation_mode`'s soft heap
+limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without it, under 4 GB with a 4 GB limit).
 
 The replacement must be in place before the process's first malloc, so it is installed by
 re-executing the command with `LD_PRELOAD` (`reexec_if_wanted`, called first thing by the CLI
@@ -127,71 +120,8 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_available_bytes() -> int | None:
-    """The kernel's estimate of memory available to new work without swapping (MemAvailable of
-    /proc/meminfo, in bytes), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def resident_bytes() -> int | None:
-    """This process's resident set in bytes (/proc/self/statm), or None where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def cgroup_memory() -> tuple[int, int] | None:
-    """(limit, usage) in bytes of this process's memory cgroup (v2 `memory.max` / `memory.current`,
-    else v1 `memory.limit_in_bytes` / `memory.usage_in_bytes`), or None when there is no limit below
-    the physical memory or it cannot be read (a container's bound, which /proc/meminfo does not show)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
-        return None
-    candidates = []
-    for _, controllers, path in entries:
-        if controllers == "":
-            candidates.append((f"/sys/fs/cgroup{path}", "memory.max", "memory.current"))
-        elif "memory" in controllers.split(","):
-            candidates.append((f"/sys/fs/cgroup/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    for root, limit_file, usage_file in candidates:
-        try:
-            with open(os.path.join(root, limit_file)) as f:
-                raw = f.read().strip()
-            with open(os.path.join(root, usage_file)) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if raw != "max" and int(raw) < physical_memory_bytes():
-            return int(raw), usage
-    return None
-
-
-#: the share of physical memory the following limit leaves to the rest of the host (at least 1 GiB)
-RESERVE_FRACTION = 1 / 16
-RESERVE_MIN_BYTES = 1 << 30
-
-
-def following_limit_bytes(resident: int, available: int, physical: int) -> int:
-    """The cache bound that follows the free memory (module docstring):
-    max(physical / 2, resident + available - max(physical * RESERVE_FRACTION, 1 GiB))."""
-    reserve = max(int(physical * RESERVE_FRACTION), RESERVE_MIN_BYTES)
-    return max(physical // 2, resident + available - reserve)
-
-
 def soft_limit_bytes(environ: Mapping[str, str]) -> int:
-    """The cache bound a process starts with (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half
-    the physical memory.
+    """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half the physical memory.
     Raises `AllocatorError` for a value that is not a positive number."""
     raw = environ.get(LIMIT_ENV, "").strip()
     if not raw:
@@ -212,37 +142,6 @@ def _limit_cache(limit: int) -> None:
     lib.scalable_allocation_mode.argtypes = [ctypes.c_int, ctypes.c_ssize_t]
     if lib.scalable_allocation_mode(1, limit) != 0:
         raise AllocatorError(f"oneTBB refused a soft heap limit of {limit} bytes")
-
-
-_followed: dict[str, int | bool] = {}  # "limit": the bound follow_free_memory last set; "active": active() once
-
-
-def follow_free_memory(environ: Mapping[str, str] | None = None) -> int | None:
-    """Sets oneTBB's cache bound to `following_limit_bytes` of this moment's resident set and
-    available memory, when oneTBB's malloc serves this process and STARE_JAX_MALLOC_LIMIT_GB does not
-    fix the bound; returns the bound in bytes, or None when it left things as they were. Cheap (two
-    /proc reads): the trainer calls it before every step."""
-    environ = os.environ if environ is None else environ
-    if environ.get(LIMIT_ENV, "").strip() or not _active_cached():
-        return None
-    resident, available, physical = resident_bytes(), memory_available_bytes(), physical_memory_bytes()
-    if resident is None or available is None:
-        return None
-    container = cgroup_memory()
-    if container is not None:  # a container's bound below the host's memory: what it leaves, of its size
-        available, physical = min(available, max(container[0] - container[1], 0)), container[0]
-    limit = following_limit_bytes(resident, available, physical)
-    if _followed.get("limit") != limit:
-        _limit_cache(limit)
-        _followed["limit"] = limit
-    return limit
-
-
-def _active_cached() -> bool:
-    """`active()`, read once per process (the proxy is loaded at exec or never)."""
-    if "active" not in _followed:
-        _followed["active"] = active()
-    return bool(_followed["active"])
 
 
 def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:

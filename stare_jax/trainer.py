@@ -475,7 +475,6 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
         log.info("host malloc: %s (stare_jax.allocator)", "oneTBB" if allocator.active() else "system")
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
-            allocator.follow_free_memory()  # oneTBB's cache bound to what the host can give now (CPU runs)
             compilations.take()
             t0 = time.perf_counter()
             batch, rollout_metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,

@@ -179,7 +179,7 @@ def serve(workload: dict, config) -> None:
     import jax
     import numpy as np
 
-    from stare_jax import allocator, parallel
+    from stare_jax import parallel
     from stare_jax.compilation import CompilationCounter
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
@@ -231,7 +231,6 @@ def serve(workload: dict, config) -> None:
     def one_step() -> dict:
         nonlocal train_state, step
         compilations.take()
-        cache_bound = allocator.follow_free_memory()  # as the trainer does before every step
         key = jax.random.fold_in(base_key, step)
         t0 = time.perf_counter()
         batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
@@ -256,8 +255,7 @@ def serve(workload: dict, config) -> None:
                                f"{'at most ' if real else ''}{expected} in {n}")
         result = {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": update_s,
                   "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
-                  "peak_rss_mb": common.peak_rss_mb(), **update_kernel,
-                  "malloc_cache_bound_mb": None if cache_bound is None else cache_bound >> 20}
+                  "peak_rss_mb": common.peak_rss_mb(), **update_kernel}
         result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
         if packing is not None:
             result["packed_capacity"] = packing.capacity
@@ -273,6 +271,7 @@ def serve(workload: dict, config) -> None:
         first = one_step()  # compiles the sampler and the update step
         stage(f"first step done (rollout {first['rollout_s']:.1f}s, update {first['update_s']:.1f}s, "
               "compilations included)")
+        from stare_jax import allocator
 
         bandwidth = common.jax_copy_bandwidth_gbs()
         peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
