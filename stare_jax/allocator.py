@@ -15,6 +15,11 @@ would keep one block per size. The cache is therefore bounded: once the process 
 soft limit (`STARE_JAX_MALLOC_LIMIT_GB`, default half the host's physical memory) oneTBB hands
 cached blocks back to the system instead of keeping them (`scalable_allocation_mode`'s soft heap
 limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without it, under 4 GB with a 4 GB limit).
+Blocks above the huge-object threshold leave the cache only then, all at once, or when asked: a
+block of a size freed once (the compiler's temporaries, another program's buffers) stays until the
+process crosses the limit, and the crossing also drops the blocks every step reuses. So the
+trainer empties the cache after a step that compiled (`release_cache`): the steps that follow
+cache only the blocks they recycle, and the one-off sizes no longer push them over the limit.
 
 The replacement must be in place before the process's first malloc, so it is installed by
 re-executing the command with `LD_PRELOAD` (`reexec_if_wanted`, called first thing by the CLI
@@ -142,6 +147,18 @@ def _limit_cache(limit: int) -> None:
     lib.scalable_allocation_mode.argtypes = [ctypes.c_int, ctypes.c_ssize_t]
     if lib.scalable_allocation_mode(1, limit) != 0:
         raise AllocatorError(f"oneTBB refused a soft heap limit of {limit} bytes")
+
+
+def release_cache() -> bool:
+    """Hands every free block oneTBB's malloc holds cached back to the system
+    (`scalable_allocation_command(TBBMALLOC_CLEAN_ALL_BUFFERS = 0, NULL)`; module docstring): True
+    when it did, False when oneTBB's malloc does not serve this process (nothing to do)."""
+    if not active():
+        return False
+    lib = ctypes.CDLL(_LIBRARIES[0])
+    lib.scalable_allocation_command.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    # TBBMALLOC_OK (0), or TBBMALLOC_NO_EFFECT (4) when nothing was cached
+    return lib.scalable_allocation_command(0, None) in (0, 4)
 
 
 def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:

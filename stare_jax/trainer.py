@@ -325,7 +325,6 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
     from stare_jax.eval_metrics import summarize
     from stare_jax.rewards import RewardPool
     from stare_jax.rollout import generate
-    from stare_jax.rollout.sampler import generated_groups
 
     n = config.eval.n
     model, mesh = parallel.rollout_placement(model, mesh, config.mesh.rollout_devices)
@@ -490,6 +489,8 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                    "step_s": t2 - t0, "compilations": compilations.take()}
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
+            if row["compilations"]:
+                allocator.release_cache()  # CPU runs: the cache keeps only what the next steps recycle
             if step == start and compilation.persistent_cache_hits():
                 log.info("loaded %d XLA programs from the compilation cache %s (up to the end of the first step)",
                          compilation.persistent_cache_hits(), compilation.cache_dir())

@@ -106,3 +106,19 @@ def test_the_cache_of_freed_blocks_is_bounded_by_the_soft_limit():
     unbounded, bounded = peak_mb(64), peak_mb(0.25)
     assert unbounded > 900  # cached blocks of most sizes (1.45 GB of them freed; 1.0 GB measured)
     assert bounded < 450, (bounded, unbounded)  # 0.24 GB measured
+
+
+# Frees a 256 MB block, then prints the resident set (MB) before and after release_cache() and what it returned.
+RELEASE = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import numpy as np, psutil; "
+           "p = psutil.Process(); a = np.ones(2**26, np.float32); del a; before = p.memory_info().rss >> 20; "
+           "done = allocator.release_cache(); print(before, p.memory_info().rss >> 20, done)")
+
+
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_release_cache_hands_the_cached_blocks_back():
+    out = _python(RELEASE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb", STARE_JAX_MALLOC_LIMIT_GB="64")
+    assert out.returncode == 0, out.stderr
+    before, after, done = out.stdout.split()
+    assert done == "True" and int(before) - int(after) > 200, out.stdout  # the freed 256 MB block stayed cached
+    out = _python(RELEASE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system")
+    assert out.stdout.split()[2] == "False"  # glibc: nothing to release

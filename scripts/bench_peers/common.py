@@ -19,6 +19,7 @@ ends it. Lines without the `@@BENCH ` prefix are ignored (libraries print what t
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -253,6 +254,38 @@ def host_cpu() -> str:
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def current_rss_mb() -> float:
+    """This process's resident set size now in MiB (/proc/self/statm; 0.0 where unreadable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def reset_peak_rss() -> None:
+    """Restarts the kernel's resident high-water mark (VmHWM) from the current resident set
+    (`echo 5 > /proc/self/clear_refs`), so `window_peak_rss_mb` reads the peak of what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def window_peak_rss_mb() -> float | None:
+    """VmHWM of /proc/self/status in MiB: the peak resident set since the last `reset_peak_rss`
+    (None where unreadable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def rusage():

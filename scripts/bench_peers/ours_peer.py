@@ -179,7 +179,7 @@ def serve(workload: dict, config) -> None:
     import jax
     import numpy as np
 
-    from stare_jax import parallel
+    from stare_jax import allocator, parallel
     from stare_jax.compilation import CompilationCounter
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
@@ -231,6 +231,7 @@ def serve(workload: dict, config) -> None:
     def one_step() -> dict:
         nonlocal train_state, step
         compilations.take()
+        common.reset_peak_rss()  # step_peak_rss_mb: this step's resident peak, not the process's
         key = jax.random.fold_in(base_key, step)
         t0 = time.perf_counter()
         batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
@@ -255,8 +256,11 @@ def serve(workload: dict, config) -> None:
                                f"{'at most ' if real else ''}{expected} in {n}")
         result = {"rollout_s": t1 - t0, "reward_s": metrics["reward_s"], "update_s": update_s,
                   "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
-                  "peak_rss_mb": common.peak_rss_mb(), **update_kernel}
+                  "peak_rss_mb": common.peak_rss_mb(), "step_peak_rss_mb": common.window_peak_rss_mb(),
+                  **update_kernel}
         result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
+        if result["compilations"]:
+            allocator.release_cache()  # as the trainer does after a step that compiled
         if packing is not None:
             result["packed_capacity"] = packing.capacity
         if real:
@@ -271,11 +275,13 @@ def serve(workload: dict, config) -> None:
         first = one_step()  # compiles the sampler and the update step
         stage(f"first step done (rollout {first['rollout_s']:.1f}s, update {first['update_s']:.1f}s, "
               "compilations included)")
-        from stare_jax import allocator
 
         bandwidth = common.jax_copy_bandwidth_gbs()
         peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
         stage("bandwidth and matmul peak measured")
+        rss = common.current_rss_mb()
+        if allocator.release_cache():  # the warm-up's and the probes' one-off blocks (the trainer: after compiling)
+            stage(f"oneTBB's cache emptied: resident {rss:.0f} -> {common.current_rss_mb():.0f} MB")
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "malloc": allocator.name(),
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
