@@ -490,7 +490,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
             if row["compilations"] and allocator.release_cache():  # CPU runs: keep only what the next steps recycle
-                log.info("oneTBB's cache emptied after step %d, which compiled (stare_jax.allocator)", step)
+                log.info("oneTBB's cache emptied after step %d, whose XLA programs were new (stare_jax.allocator)", step)
             if step == start and compilation.persistent_cache_hits():
                 log.info("loaded %d XLA programs from the compilation cache %s (up to the end of the first step)",
                          compilation.persistent_cache_hits(), compilation.cache_dir())
