@@ -140,12 +140,19 @@ def soft_limit_bytes(environ: Mapping[str, str]) -> int:
     return int(gb * 2**30)
 
 
-def _limit_cache(limit: int) -> None:
-    """Sets the loaded oneTBB allocator's soft heap limit (TBBMALLOC_SET_SOFT_HEAP_LIMIT = 1) to
-    `limit` bytes (opened by soname: the copy already in the process, wherever it came from)."""
+def _loaded_tbbmalloc() -> ctypes.CDLL:
+    """The oneTBB allocator already in this process (opened by soname, wherever it came from), with
+    the argument types of the two calls made here."""
     lib = ctypes.CDLL(_LIBRARIES[0])
     lib.scalable_allocation_mode.argtypes = [ctypes.c_int, ctypes.c_ssize_t]
-    if lib.scalable_allocation_mode(1, limit) != 0:
+    lib.scalable_allocation_command.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _limit_cache(limit: int) -> None:
+    """Sets the loaded oneTBB allocator's soft heap limit (TBBMALLOC_SET_SOFT_HEAP_LIMIT = 1) to
+    `limit` bytes."""
+    if _loaded_tbbmalloc().scalable_allocation_mode(1, limit) != 0:
         raise AllocatorError(f"oneTBB refused a soft heap limit of {limit} bytes")
 
 
@@ -155,10 +162,8 @@ def release_cache() -> bool:
     when it did, False when oneTBB's malloc does not serve this process (nothing to do)."""
     if not active():
         return False
-    lib = ctypes.CDLL(_LIBRARIES[0])
-    lib.scalable_allocation_command.argtypes = [ctypes.c_int, ctypes.c_void_p]
     # TBBMALLOC_OK (0), or TBBMALLOC_NO_EFFECT (4) when nothing was cached
-    return lib.scalable_allocation_command(0, None) in (0, 4)
+    return _loaded_tbbmalloc().scalable_allocation_command(0, None) in (0, 4)
 
 
 def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:
