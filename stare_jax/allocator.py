@@ -17,9 +17,13 @@ cached blocks back to the system instead of keeping them (`scalable_allocation_m
 limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without it, under 4 GB with a 4 GB limit).
 Blocks above the huge-object threshold leave the cache only then, all at once, or when asked: a
 block of a size freed once (the compiler's temporaries, another program's buffers) stays until the
-process crosses the limit, and the crossing also drops the blocks every step reuses. So the
-trainer empties the cache after a step that compiled (`release_cache`): the steps that follow
-cache only the blocks they recycle, and the one-off sizes no longer push them over the limit.
+process crosses the limit, and the crossing also drops the blocks every step reuses. So a
+training run empties the cache each time XLA has compiled a program, before that program first
+runs (`release_cache_on_compile`): the compiler's temporaries and the blocks of programs run
+before leave, the new program's run maps its own, and the steps that follow reuse them, caching
+only the blocks they recycle. (Emptying it after the compiling step instead, as the trainer did
+at first, made the next step fault all its temporaries in afresh: 1.29 M faults, +16 s of kernel
+time in a SmolLM2-135M update; docs/performance.md.)
 
 The replacement must be in place before the process's first malloc, so it is installed by
 re-executing the command with `LD_PRELOAD` (`reexec_if_wanted`, called first thing by the CLI
@@ -164,6 +168,39 @@ def release_cache() -> bool:
         return False
     # TBBMALLOC_OK (0), or TBBMALLOC_NO_EFFECT (4) when nothing was cached
     return _loaded_tbbmalloc().scalable_allocation_command(0, None) in (0, 4)
+
+
+_released_on_compile = 0
+_hook_installed = False
+
+
+def _release_after_compile(event: str, duration_secs: float, **kwargs) -> None:
+    global _released_on_compile
+    from stare_jax.compilation import BACKEND_COMPILE_EVENT
+
+    if event == BACKEND_COMPILE_EVENT and release_cache():
+        _released_on_compile += 1
+
+
+def release_cache_on_compile() -> bool:
+    """Makes every XLA backend compilation of this process end with `release_cache()` (a JAX
+    monitoring listener on the backend-compile event, which fires after the compiler returns and
+    before the program's first run; module docstring). Returns whether oneTBB's malloc serves this
+    process (else nothing is installed: there is no cache to empty). Idempotent."""
+    global _hook_installed
+    if not active():
+        return False
+    if not _hook_installed:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(_release_after_compile)
+        _hook_installed = True
+    return True
+
+
+def releases_on_compile() -> int:
+    """How often `release_cache_on_compile`'s listener has emptied the cache in this process."""
+    return _released_on_compile
 
 
 def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:

@@ -472,9 +472,11 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
         stop.defer()  # from here a signal ends the step in progress and saves (before: nothing to save)
         # logged here, after every refusal of bad input (whose message stays the only line of stderr)
         log.info("host malloc: %s (stare_jax.allocator)", "oneTBB" if allocator.active() else "system")
+        allocator.release_cache_on_compile()  # CPU runs: a new program's one-off blocks leave before it runs
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
             compilations.take()
+            releases = allocator.releases_on_compile()
             t0 = time.perf_counter()
             batch, rollout_metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
                                                    jax.random.fold_in(step_key, 0), eos_ids=eos_ids, pad_id=pad_id,
@@ -489,8 +491,9 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                    "step_s": t2 - t0, "compilations": compilations.take()}
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
-            if row["compilations"] and allocator.release_cache():  # CPU runs: keep only what the next steps recycle
-                log.info("oneTBB's cache emptied after step %d, whose XLA programs were new (stare_jax.allocator)", step)
+            if allocator.releases_on_compile() > releases:
+                log.info("oneTBB's cache emptied as step %d's new XLA programs were built (%d times; "
+                         "stare_jax.allocator)", step, allocator.releases_on_compile() - releases)
             if step == start and compilation.persistent_cache_hits():
                 log.info("loaded %d XLA programs from the compilation cache %s (up to the end of the first step)",
                          compilation.persistent_cache_hits(), compilation.cache_dir())
