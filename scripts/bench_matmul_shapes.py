@@ -14,7 +14,7 @@ and input gradient with the weight stored transposed ([f, d]: x @ W_t^T and g @ 
 forward with a leading unit axis (the einsum form of `decoder.dense`).
 
     python scripts/bench_matmul_shapes.py [--tokens 6144] [--repeats 5] [--rounds 2] [--devices 2]
-        [--options '{"shipped": {}, "eigen": {"xla_cpu_experimental_ynn_fusion_type": ""}}']
+        [--options '{"defaults": {}, "eigen": {"xla_cpu_experimental_ynn_fusion_type": ""}}']
 
 It prints one JSON object: per option set and product, the best time and GFLOP/s a device (median
 over rounds), with the host's CPU and the one-product peak measured as the benchmarks measure it.
@@ -35,13 +35,14 @@ sys.path.insert(0, os.path.join(HERE, "bench_peers"))
 
 
 def default_option_sets() -> dict:
-    """The update's shipped CPU options (`update.CPU_UPDATE_COMPILER_OPTIONS`) and the same with
-    Eigen's matmuls (`check_update_kernels.EIGEN_MATMULS`). Imports JAX: call after XLA_FLAGS is set."""
-    from check_update_kernels import EIGEN_MATMULS
-
+    """The update's shipped CPU options (`update.CPU_UPDATE_COMPILER_OPTIONS` with `model.cpu_gemm =
+    "auto"`: Eigen's products) and the same with XLA:CPU's default YNNPACK products (`model.cpu_gemm =
+    "ynnpack"`). Imports JAX: call after XLA_FLAGS is set."""
+    from stare_jax import cpu_gemm
     from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS
 
-    return {"shipped": dict(CPU_UPDATE_COMPILER_OPTIONS), "eigen": dict(EIGEN_MATMULS)}
+    auto = cpu_gemm.compiler_options("update", "auto", platform="cpu")
+    return {"shipped": {**CPU_UPDATE_COMPILER_OPTIONS, **auto}, "ynnpack": dict(CPU_UPDATE_COMPILER_OPTIONS)}
 
 
 def products(tokens: int, hidden: int, qkv: int, mlp: int, vocab_chunk: int, square: int):

@@ -27,8 +27,9 @@ The last line printed is one JSON object:
         and their rate over median_update_s as a fraction of the measured matmul peak in the run's
         dtype (`--dtype`; on a GPU float32 products may run as TF32, XLA's and PyTorch's default)
     participants: {name: the same per-participant medians}
-    dtype, matmul_precision, gpu_gemm: the settings of the run (`--dtype`, `--matmul-precision`,
-        `--gpu-gemm`: stare-jax's kernels for a GPU's products, `stare_jax.gpu_gemm`)
+    dtype, matmul_precision, gpu_gemm, cpu_gemm: the settings of the run (`--dtype`, `--matmul-precision`,
+        `--gpu-gemm` / `--cpu-gemm`: stare-jax's kernels for a GPU's products, `stare_jax.gpu_gemm`, and
+        for the update's products on a CPU, `stare_jax.cpu_gemm`)
     speedup: {peer: peer median_step_s / stare-jax median_step_s}   (with --peer)
     steady_median_step_s / _rollout_s / _update_s, steady_update_mfu, steady_speedup, steady_steps, compiling_steps
         only when some but not all timed steps compiled a new program (a packed update's new
@@ -109,7 +110,7 @@ sys.path.insert(0, PEERS)
 import checkpoint  # noqa: E402
 import common  # noqa: E402
 from stare_jax import allocator  # noqa: E402
-from stare_jax.config import GPU_GEMM_CHOICES, MATMUL_PRECISIONS  # noqa: E402
+from stare_jax.config import CPU_GEMM_CHOICES, GPU_GEMM_CHOICES, MATMUL_PRECISIONS  # noqa: E402
 
 WORKER_TIMEOUT_S = 1800.0
 
@@ -430,6 +431,9 @@ def main() -> None:
                          "(auto: with --matmul-precision float32 the update on cuBLAS, the rollout on untuned "
                          "Triton GEMMs; xla: XLA's own choice and XLA_FLAGS; cublas: both on cuBLAS); no effect "
                          "off a GPU")
+    ap.add_argument("--cpu-gemm", choices=CPU_GEMM_CHOICES, default="auto",
+                    help="stare-jax: model.cpu_gemm, XLA:CPU's kernels for the update's products (auto: Eigen's "
+                         "products with YNNPACK's reductions; ynnpack: XLA:CPU's defaults); no effect off a CPU")
     ap.add_argument("--rollout-devices", type=int, default=0,
                     help="stare-jax: mesh.rollout_devices, the devices its rollouts decode on (0: the update's "
                          "mesh; 1: one device with every core inside each matmul, each weight read once a step)")
@@ -531,7 +535,7 @@ def main() -> None:
                       compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       pack_buckets=args.pack_buckets, remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
                       keep_logits_mb=args.keep_logits_mb, rollout_devices=args.rollout_devices,
-                      gpu_gemm=args.gpu_gemm))]
+                      gpu_gemm=args.gpu_gemm, cpu_gemm=args.cpu_gemm))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
                   dict(workload, loss="grpo", **({"tunix_devices": args.tunix_devices} if p == "tunix" else {})))
                  for p in args.peer]
@@ -587,7 +591,7 @@ def main() -> None:
                       rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else common.synthetic_workload_name(args),
                   steps=args.steps, warmup_rounds=args.warmup_rounds, protocol=args.protocol, dtype=args.dtype,
-                  matmul_precision=args.matmul_precision, gpu_gemm=args.gpu_gemm,
+                  matmul_precision=args.matmul_precision, gpu_gemm=args.gpu_gemm, cpu_gemm=args.cpu_gemm,
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),

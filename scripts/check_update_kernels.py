@@ -2,14 +2,17 @@
 
 The update step's forward (`Decoder.grouped_hidden_states`: each group's prompt once, its
 responses after it) runs on the fixed real-model batch of `scripts/bench_update.py` on the host's
-data-parallel CPU mesh, each option set compiled once: once with the update's shipped options
-(`update.CPU_UPDATE_COMPILER_OPTIONS`, the reference) and `--calls` times with `--options`. It prints
-one JSON line: for each call, the rows whose final hidden states differ from the reference by more
-than `--tolerance` at a response position, and the largest difference; and whether the calls agree
-with each other. The default `--options` are the ones the update shipped with until this check:
-XLA:CPU's YNNPACK matmul fusions off (Eigen's matmuls), which gave wrong hidden states for the first
-~512 positions of each device's rows, different from call to call, on two devices and SmolLM2's 30
-layers (docs/performance.md, "Eigen's matmuls in the update gave wrong results on two CPU devices").
+data-parallel CPU mesh, each option set compiled once: once with XLA:CPU's YNNPACK products
+(`update.CPU_UPDATE_COMPILER_OPTIONS` alone, `model.cpu_gemm = "ynnpack"`: the reference) and
+`--calls` times with `--options`. It prints one JSON line: for each call, the rows whose final
+hidden states differ from the reference by more than `--tolerance` at a response position, and the
+largest difference; and whether the calls agree with each other. The default `--options` are the
+update's shipped ones (`model.cpu_gemm = "auto"`: Eigen's products, YNNPACK's reductions). `--options
+'{"xla_cpu_experimental_ynn_fusion_type": "", "xla_disable_hlo_passes": "tree_reduction_rewriter"}'`
+(`EIGEN_MATMULS`: Eigen's products and XLA's own reductions) reproduces the fault of
+docs/performance.md, "Eigen's matmuls in the update gave wrong results on two CPU devices": wrong
+hidden states for the first ~512 positions of each device's rows, different from call to call, on
+two devices and SmolLM2's 30 layers.
 
     python scripts/bench_update.py --reps 1          # writes runs/bench_update_batch.pkl once
     python scripts/check_update_kernels.py [--options JSON] [--layers N] [--rows N] [--calls 2]
@@ -32,15 +35,24 @@ sys.path.insert(0, os.path.join(HERE, "bench_peers"))
 
 import common  # noqa: E402
 
+#: Eigen's products with XLA's own reductions: the pair that computed wrong rows (the module docstring)
 EIGEN_MATMULS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experimental_xnn_fusion_type": "",
                  "xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
+def shipped_options() -> dict:
+    """The update's CPU compiler options under the default `model.cpu_gemm` (stare_jax.cpu_gemm)."""
+    from stare_jax import cpu_gemm
+    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS
+
+    return {**CPU_UPDATE_COMPILER_OPTIONS, **cpu_gemm.compiler_options("update", "auto", platform="cpu")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--options", default=json.dumps(EIGEN_MATMULS),
-                    help="XLA compiler options under test, a JSON object (default: the update's options until "
-                         "this check, Eigen's matmuls)")
+    ap.add_argument("--options", default="",
+                    help="XLA compiler options under test, a JSON object (default: the update's shipped ones, "
+                         "`model.cpu_gemm = \"auto\"`)")
     ap.add_argument("--calls", type=int, default=2, help="calls of the program under test")
     ap.add_argument("--layers", type=int, default=0, help="run only the first N decoder layers (0: all)")
     ap.add_argument("--rows", type=int, default=0, help="only the first N rows of the batch (0: all; whole groups)")
@@ -50,7 +62,7 @@ def main() -> None:
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
     try:
-        options = json.loads(args.options)
+        options = json.loads(args.options) if args.options else shipped_options()
     except json.JSONDecodeError as e:
         ap.error(f"--options: not JSON: {e}")
     if not isinstance(options, dict):

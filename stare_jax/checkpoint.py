@@ -55,7 +55,8 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk", "model.vocab_keep_logits_mb",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
-                     "rollout.compact_min_rows", "model.matmul_precision", "model.gpu_gemm")
+                     "rollout.compact_min_rows", "model.matmul_precision", "model.gpu_gemm",
+                     "model.cpu_gemm")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.

@@ -24,6 +24,8 @@ DATASETS = ("countdown", "arith", "math")
 MATMUL_PRECISIONS = ("default", "float32", "tensorfloat32")
 #: model.gpu_gemm: which kernels a GPU runs each phase's products with (stare_jax/gpu_gemm.py)
 GPU_GEMM_CHOICES = ("auto", "xla", "cublas")
+#: model.cpu_gemm: which kernels XLA:CPU runs the update's products with (stare_jax/cpu_gemm.py)
+CPU_GEMM_CHOICES = ("auto", "ynnpack")
 # The task-specific `data.*` keys each data.name reads; a key in no row is common to all tasks. A
 # task-specific key that the chosen data.name does not read must keep its default (validate), so
 # that a value set for another task is refused, not silently ignored. A new task adds one row.
@@ -81,6 +83,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.gpu_gemm = "auto"            # a GPU's products: auto (full-float32 products: the update on cuBLAS,
                                          #   the rollout on untuned Triton GEMMs; XLA's choice otherwise) | xla
                                          #   (XLA's own / XLA_FLAGS) | cublas (both phases); stare_jax/gpu_gemm.py
+    c.model.cpu_gemm = "auto"            # a CPU's update products: auto (Eigen's products, YNNPACK's reductions)
+                                         #   | ynnpack (XLA:CPU's defaults); stare_jax/cpu_gemm.py
     c.model.embedded = ml_collections.ConfigDict(dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192))
 
@@ -308,7 +312,7 @@ SCHEMA: dict[str, Field] = {
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.vocab_keep_logits_mb": _int(0),
-    "model.gpu_gemm": _choice(*GPU_GEMM_CHOICES),
+    "model.gpu_gemm": _choice(*GPU_GEMM_CHOICES), "model.cpu_gemm": _choice(*CPU_GEMM_CHOICES),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),
     "model.embedded.num_heads": _int(1), "model.embedded.num_kv_heads": _int(1),
     "model.embedded.intermediate_size": _int(1),

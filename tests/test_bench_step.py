@@ -723,7 +723,7 @@ def test_bench_matmul_shapes_times_every_product_under_each_option_set():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(result["products"]) == {"shipped", "eigen"} and result["devices"] == 2
+    assert set(result["products"]) == {"shipped", "ynnpack"} and result["devices"] == 2
     for rows in result["products"].values():
         assert len(rows) == 19 and "gate/up dW h^T@g" in rows and "square 64" in rows
         assert "gate/up forward, W stored [f,d]" in rows and "vocab chunk dh, W stored [f,d]" in rows

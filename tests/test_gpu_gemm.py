@@ -7,12 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from stare_jax import gpu_gemm, parallel, precision
+from stare_jax import cpu_gemm, gpu_gemm, parallel, precision
 from stare_jax.gpu_gemm import CUBLAS, UNTUNED_TRITON, compiler_options
 from stare_jax.rl import update as update_lib
 from stare_jax.rollout import generate, sampler
 from tests.test_rl_update import make_batch, make_config, update_once
 from tests.test_rollout import policies, prompts  # noqa: F401  (the tiny policies and prompts)
+
+#: the update's options on a CPU mesh under the default `model.cpu_gemm` (stare_jax.cpu_gemm)
+CPU_OWN = {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **cpu_gemm.EIGEN_PRODUCTS}
 
 
 def test_each_choice_names_the_measured_kernels_per_phase_and_nothing_off_a_gpu():
@@ -59,10 +62,10 @@ def test_update_step_compiles_with_its_phase_options(monkeypatch):
     with precision.matmul_precision("float32"):
         _, want, want_params = update_once(make_config(**{"model.gpu_gemm": "xla"}), mesh, batch)
         step, _, _ = update_once(make_config(), mesh, batch)
-        assert step.compiler_options == update_lib.CPU_UPDATE_COMPILER_OPTIONS  # on a CPU: the CPU's own
+        assert step.compiler_options == CPU_OWN  # on a CPU: the CPU's own
         _as_if_on_a_gpu(monkeypatch)
         step, got, got_params = update_once(make_config(), mesh, batch)  # "auto", the default
-        assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **CUBLAS}
+        assert step.compiler_options == {**CPU_OWN, **CUBLAS}
         assert got == want  # XLA:CPU ignores the GPU's options: the same program
         for a, b in zip(jax.tree_util.tree_leaves(got_params), jax.tree_util.tree_leaves(want_params)):
             np.testing.assert_array_equal(a, b)
@@ -70,7 +73,7 @@ def test_update_step_compiles_with_its_phase_options(monkeypatch):
         with pytest.raises(Exception, match="xla_gpu_no_such_option"):
             update_once(make_config(), mesh, batch)
     step, _, _ = update_once(make_config(), mesh, batch)  # default precision: XLA's own choice
-    assert step.compiler_options == update_lib.CPU_UPDATE_COMPILER_OPTIONS
+    assert step.compiler_options == CPU_OWN
     with pytest.raises(ValueError, match="model.gpu_gemm"):
         update_once(make_config(**{"model.gpu_gemm": "triton"}), mesh, batch)
 

@@ -73,6 +73,7 @@ def bench_config(workload: dict):
     c.model.dtype = w.get("dtype", "float32")  # compute dtype; parameters and optimizer state stay float32
     c.model.matmul_precision = w.get("matmul_precision", "default")  # float32 products (TF32 or not on a GPU)
     c.model.gpu_gemm = w.get("gpu_gemm", "auto")  # a GPU's kernels per phase (stare_jax.gpu_gemm)
+    c.model.cpu_gemm = w.get("cpu_gemm", "auto")  # XLA:CPU's kernels for the update's products (stare_jax.cpu_gemm)
     c.loss.name = w["loss"]
     c.stare.enabled = w["loss"] == "stare"
     c.stare.variant, c.stare.adaptive, c.stare.top_p_ratio = "C2", True, 0.05
@@ -259,8 +260,6 @@ def serve(workload: dict, config) -> None:
                   "peak_rss_mb": common.peak_rss_mb(), "step_peak_rss_mb": common.window_peak_rss_mb(),
                   **update_kernel}
         result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
-        if result["compilations"]:
-            allocator.release_cache()  # as the trainer does after a step that compiled
         if packing is not None:
             result["packed_capacity"] = packing.capacity
         if real:
@@ -270,6 +269,7 @@ def serve(workload: dict, config) -> None:
             result[paired_key] = paired_s
         return result
 
+    allocator.release_cache_on_compile()  # as the trainer: a new program's one-off blocks leave before it runs
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
         first = one_step()  # compiles the sampler and the update step
@@ -280,7 +280,7 @@ def serve(workload: dict, config) -> None:
         peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
         stage("bandwidth and matmul peak measured")
         rss = common.current_rss_mb()
-        if allocator.release_cache():  # the warm-up's and the probes' one-off blocks (the trainer: after compiling)
+        if allocator.release_cache():  # the probes' one-off blocks, cached after their runs
             stage(f"oneTBB's cache emptied: resident {rss:.0f} -> {common.current_rss_mb():.0f} MB")
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "malloc": allocator.name(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from stare_jax import gpu_gemm
+from stare_jax import cpu_gemm, gpu_gemm
 from stare_jax.models.packing import PACK_BUCKETS
 
 DEFAULTS: dict[str, Any] = {
@@ -64,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "model.vocab_chunk": 8192,
     "model.vocab_keep_logits_mb": 0,
     "model.gpu_gemm": "auto",
+    "model.cpu_gemm": "auto",
     "rollout.group_size": 8,
 }
 
@@ -201,6 +202,7 @@ class RLSettings:
     pack_tokens: int = 0  # > 0: packed responses, capacity rounded up to this multiple (models.packing)
     pack_buckets: str = "linear"  # capacity buckets: multiples of pack_tokens, or its geometric ladder
     gpu_gemm: str = "auto"  # the update's products on a GPU: auto | xla | cublas (stare_jax.gpu_gemm)
+    cpu_gemm: str = "auto"  # the update's products on a CPU: auto | ynnpack (stare_jax.cpu_gemm)
 
     @property
     def num_updates(self) -> int:
@@ -261,6 +263,7 @@ class RLSettings:
             pack_tokens=int(g("update.pack_tokens")),
             pack_buckets=_choice("update.pack_buckets", str(g("update.pack_buckets")), PACK_BUCKETS),
             gpu_gemm=_choice("model.gpu_gemm", str(g("model.gpu_gemm")), gpu_gemm.CHOICES),
+            cpu_gemm=_choice("model.cpu_gemm", str(g("model.cpu_gemm")), cpu_gemm.CHOICES),
         )
         for key, value in (("update.ppo_epochs", out.ppo_epochs), ("update.num_minibatches", out.num_minibatches),
                            ("update.grad_accum", out.grad_accum), ("model.vocab_chunk", out.vocab_chunk),

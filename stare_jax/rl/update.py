@@ -66,7 +66,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from stare_jax import gpu_gemm, parallel
+from stare_jax import cpu_gemm, gpu_gemm, parallel
 from stare_jax.models.decoder import positions_from_mask
 from stare_jax.models.packing import (Packing, balanced_group_order, block_count, gather_packed, packed_capacity,
                                       packed_rows_and_columns, scatter_packed)
@@ -79,12 +79,9 @@ from stare_jax.rl.settings import RLSettings
 from stare_jax.rl.stare import ControllerState, controller_update, stare_weights_and_sets
 from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
 
-# XLA:CPU hands matmuls to YNNPACK fusions by default, and the update keeps them. Compiled without
-# them (Eigen's matmuls: the real-model update 1.23x faster on the Xeon with AMX), the real model's
-# update on two CPU devices returned wrong hidden states: the first ~512 positions of each device's
-# rows off by up to 78 after layer 17-30 of SmolLM2's 30, different from call to call, while one
-# device, the first 16 layers, or YNNPACK's matmuls gave the reference values (docs/performance.md, "Eigen's
-# matmuls in the update gave wrong results on two CPU devices"). XLA's tree-reduction rewrite stays
+# Which kernels run the update's products on a CPU is `model.cpu_gemm`'s (`stare_jax.cpu_gemm`:
+# Eigen's products with YNNPACK's reductions by default; Eigen's with XLA's own reductions computed
+# wrong rows, so no setting gives that pair). XLA's tree-reduction rewrite stays
 # off: it turns every reduction longer than 32 into a windowed tree reduction and a second pass (for
 # the rounding of long float sums); the update's long sums are matmuls (`decoder.column_sum`) or
 # vectorised row sums, and without the rewrite its row maxima and sums ran 2-8x faster in isolation
@@ -488,9 +485,11 @@ class UpdateStep:
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
         options = dict(CPU_UPDATE_COMPILER_OPTIONS) if cpu_options and platform == "cpu" else {}
+        if cpu_options:
+            options.update(cpu_gemm.compiler_options("update", settings.cpu_gemm, platform=platform))
         options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
                                                  dtype=getattr(train_state.model, "dtype", np.float32)))
-        self.compiler_options = options  # the XLA options the step compiles with (CPU / `model.gpu_gemm`)
+        self.compiler_options = options  # the XLA options the step compiles with (`model.cpu_gemm` / `gpu_gemm`)
         self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
                               out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
                               donate_argnums=(0,) if donate else (), compiler_options=options or None)
@@ -564,7 +563,8 @@ def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, dona
     """Builds the jitted update step for `train_state`'s structure (real or `nnx.eval_shape`d).
 
     `config` is the ml_collections config (or an `RLSettings`); `mesh=None` uses one device.
-    `cpu_options=False` compiles without `CPU_UPDATE_COMPILER_OPTIONS` on a CPU mesh. On a GPU the
+    `cpu_options=False` compiles without `CPU_UPDATE_COMPILER_OPTIONS` and `model.cpu_gemm`'s
+    options (`stare_jax.cpu_gemm`) on a CPU mesh. On a GPU the
     products' kernels follow `model.gpu_gemm` (`stare_jax.gpu_gemm`), with the float32 products'
     precision read when the step is built (inside the run's `precision.matmul_precision`).
     """

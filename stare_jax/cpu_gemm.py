@@ -1,0 +1,53 @@
+"""Which kernels XLA:CPU runs the update's matrix products with (`model.cpu_gemm`): per-program options.
+
+XLA:CPU (jaxlib 0.10.2) hands each product and each reduction to a YNNPACK fusion by default
+(`xla_cpu_experimental_ynn_fusion_type` = LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT and
+LIBRARY_FUSION_TYPE_REDUCE); whatever it leaves out runs in its own kernels (Eigen's contraction
+for products, XLA's emitted loops for reductions). On the update's shapes Eigen's products are the
+faster ones: the real model's update on a fixed batch (SmolLM2-135M, 64 responses, two CPU devices)
+took 76.2 and 87.2 s with them against 102.0 and 94.4 s on YNNPACK's, four processes alternating on
+the Zen 4 host (docs/performance.md, "Eigen's products with YNNPACK's reductions").
+
+With both kinds taken from YNNPACK (the option set to "") that update computed wrong hidden
+states: the first ~512 positions of each device's rows, off by up to 78 and different from call
+to call (docs/performance.md, "Eigen's matmuls in the update gave wrong results on two CPU
+devices"). The fault needs Eigen's products and XLA's own reductions in one program: with the
+reductions left to YNNPACK (`EIGEN_PRODUCTS`) the same check (`scripts/check_update_kernels.py`,
+all 30 layers and 23 or 27 of them, three calls each) gives the reference values to 6e-5 in every
+call, as does YNNPACK's products with XLA's reductions, and the whole update's metrics equal
+YNNPACK's to float rounding (relative 1.1e-5 at most), bit-identical between processes.
+
+`model.cpu_gemm`:
+
+    auto     (default) the update's products on Eigen, its reductions on YNNPACK
+             (`EIGEN_PRODUCTS`); the rollout on XLA's defaults (its decode products are thin)
+    ynnpack  XLA:CPU's defaults in both phases (YNNPACK's products and reductions), as every run
+             before this setting
+
+The options are set per jitted program (`jax.jit(..., compiler_options=...)`) and override
+XLA_FLAGS for those programs. Off a CPU every choice gives no options. The kernel choice changes
+floating-point rounding, not the computation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stare_jax.config import CPU_GEMM_CHOICES as CHOICES
+
+PHASES = ("update", "rollout")
+
+#: products in XLA:CPU's own (Eigen) kernels, reductions in YNNPACK fusions (the module docstring)
+EIGEN_PRODUCTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def compiler_options(phase: str, choice: str, *, platform: str) -> dict[str, Any]:
+    """The XLA compiler options for `phase` ("update" or "rollout") under `model.cpu_gemm = choice`
+    on devices of `platform` (see the module docstring); {} for XLA's defaults."""
+    if choice not in CHOICES:
+        raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if platform != "cpu" or choice == "ynnpack" or phase == "rollout":
+        return {}
+    return dict(EIGEN_PRODUCTS)

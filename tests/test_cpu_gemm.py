@@ -1,0 +1,62 @@
+"""`model.cpu_gemm` (`stare_jax.cpu_gemm`, issue 20): which kernels XLA:CPU runs the update's products
+with. The choice table, and that the options reach the update's compilation: under "auto" no
+product of the compiled update is a YNNPACK fusion while its reductions still are, under "ynnpack"
+its products are, and both give the same update to float rounding."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from stare_jax import cpu_gemm, parallel
+from stare_jax.cpu_gemm import EIGEN_PRODUCTS, compiler_options
+from stare_jax.rl import update as update_lib
+from stare_jax.rl.update import make_update_step
+from tests.test_rl_update import assert_trees_close, fresh_state, make_batch, make_config, update_once
+
+
+def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu():
+    assert compiler_options("update", "auto", platform="cpu") == EIGEN_PRODUCTS
+    assert EIGEN_PRODUCTS == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+    assert compiler_options("rollout", "auto", platform="cpu") == {}  # the decode's thin products: defaults
+    for choice in cpu_gemm.CHOICES:
+        for phase in cpu_gemm.PHASES:
+            for platform in ("gpu", "tpu"):
+                assert compiler_options(phase, choice, platform=platform) == {}
+            assert compiler_options(phase, "ynnpack", platform="cpu") == {}
+    with pytest.raises(ValueError, match="model.cpu_gemm"):
+        compiler_options("update", "eigen", platform="cpu")  # Eigen's products with XLA's reductions: refused
+    with pytest.raises(ValueError, match="phase"):
+        compiler_options("prefill", "auto", platform="cpu")
+
+
+def _ynnpack_fusions(config, mesh, batch) -> list[str]:
+    """The `op_name` of every YNNPACK fusion in the update step's optimised program under `config`."""
+    ts = fresh_state(config, mesh)
+    step = make_update_step(config, mesh, ts)
+    sharded = parallel.shard_batch(batch, mesh)
+    text = step.lower(nnx.state(ts), sharded, jax.random.key(0), step.packing(batch)).compile().as_text()
+    return [line.split('op_name="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+            if "__ynn_fusion" in line and 'op_name="' in line]
+
+
+def test_update_products_follow_the_choice_and_give_the_same_update():
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    batch = make_batch()
+    auto = _ynnpack_fusions(make_config(), mesh, batch)
+    ynnpack = _ynnpack_fusions(make_config(**{"model.cpu_gemm": "ynnpack"}), mesh, batch)
+    assert any("dot_general" in name for name in ynnpack), ynnpack  # XLA:CPU's default: YNNPACK's products
+    assert not any("dot_general" in name for name in auto), auto  # "auto": every product in Eigen's kernels
+    # ... and reductions still YNNPACK's (the tiny update has none large enough: a product and a row sum)
+    x = jax.numpy.ones((512, 256))
+    text = jax.jit(lambda a, b: (a @ b).sum(axis=1)).lower(x, x.T).compile(EIGEN_PRODUCTS).as_text()
+    fused = [line for line in text.splitlines() if "__ynn_fusion" in line]
+    assert fused and all("reduce" in line and "dot_general" not in line for line in fused), fused
+    step, got, got_params = update_once(make_config(), mesh, batch)
+    assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **EIGEN_PRODUCTS}
+    _, want, want_params = update_once(make_config(**{"model.cpu_gemm": "ynnpack"}), mesh, batch)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert_trees_close(got_params, want_params, atol=1e-6)
+    with pytest.raises(ValueError, match="model.cpu_gemm"):
+        update_once(make_config(**{"model.cpu_gemm": "eigen"}), mesh, batch)
