@@ -574,7 +574,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     fits = peak <= hbm
     worst = max(phases, key=lambda k: phases[k]["peak_bytes"]) if phases else "state"
     say("")
-    say(f"  peak estimate = argument + output - alias + temp + code (+ train state not passed to the sampler)")
+    say("  peak estimate = argument + output - alias + temp + code (+ train state not passed to the sampler)")
     say(f"  note: {CPU_TEMP_NOTE}")
     tight = fits and peak > TIGHT_FRACTION * hbm
     verdict = "DOES NOT FIT" if not fits else "FITS, TIGHT" if tight else "FITS"

@@ -37,11 +37,9 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     # start on an accelerator says where it was).
     stages = [line for line in r.stderr.splitlines() if line.startswith("[stare-jax worker]")]
     names = [s.split(" at ")[0].split("(")[0].split(":")[0].strip() for s in stages]
-    assert names[:3] == ["[stare-jax worker] policy loaded on cpu", "[stare-jax worker] first step done",
-                         "[stare-jax worker] bandwidth and matmul peak measured"], stages
-    # under oneTBB's malloc (a CPU host with the tbb package) the worker then empties its cache
-    assert names[3:] == (["[stare-jax worker] oneTBB's cache emptied"] if out["participants"]["stare-jax"]["malloc"] == "tbb"
-                         else []), stages
+    # the probes first: the warm-up step's compilations then empty oneTBB's cache of their blocks
+    assert names == ["[stare-jax worker] policy loaded on cpu", "[stare-jax worker] bandwidth and matmul peak measured",
+                     "[stare-jax worker] first step done"], stages
     assert all(s["step_peak_rss_mb"] > 0 for s in ours["per_step"])
     assert all(s.endswith("s") and float(s.rsplit(" at ", 1)[1][:-1]) >= 0 for s in stages)
     # --grpo: the plain-GRPO update is timed on the same batches in the same worker.

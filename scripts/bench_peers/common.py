@@ -19,7 +19,6 @@ ends it. Lines without the `@@BENCH ` prefix are ignored (libraries print what t
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -254,15 +253,6 @@ def host_cpu() -> str:
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def current_rss_mb() -> float:
-    """This process's resident set size now in MiB (/proc/self/statm; 0.0 where unreadable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def reset_peak_rss() -> None:

@@ -270,18 +270,17 @@ def serve(workload: dict, config) -> None:
         return result
 
     allocator.release_cache_on_compile()  # as the trainer: a new program's one-off blocks leave before it runs
+    # The probes run first, so that the warm-up step's programs, compiling after them, leave their
+    # one-off blocks behind (the trainer's steady state); probed after the warm-up, they needed the
+    # cache emptied again, and the first timed step then faulted every temporary in afresh.
+    bandwidth = common.jax_copy_bandwidth_gbs()
+    peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
+    stage("bandwidth and matmul peak measured")
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
         first = one_step()  # compiles the sampler and the update step
         stage(f"first step done (rollout {first['rollout_s']:.1f}s, update {first['update_s']:.1f}s, "
               "compilations included)")
-
-        bandwidth = common.jax_copy_bandwidth_gbs()
-        peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
-        stage("bandwidth and matmul peak measured")
-        rss = common.current_rss_mb()
-        if allocator.release_cache():  # the probes' one-off blocks, cached after their runs
-            stage(f"oneTBB's cache emptied: resident {rss:.0f} -> {common.current_rss_mb():.0f} MB")
         common.send({"ready": True, "framework": "stare-jax", "loss": workload["loss"],
                      "malloc": allocator.name(),
                      "jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
