@@ -122,3 +122,23 @@ def test_release_cache_hands_the_cached_blocks_back():
     assert done == "True" and int(before) - int(after) > 200, out.stdout  # the freed 256 MB block stayed cached
     out = _python(RELEASE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system")
     assert out.stdout.split()[2] == "False"  # glibc: nothing to release
+
+
+# Caches a freed 256 MB block after JAX's backend is up, then compiles one new program; prints the
+# resident set (MB) before and after the compilation, the hook's count of releases, and whether it was installed.
+ON_COMPILE = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import numpy as np, psutil, jax; "
+              "jax.devices(); p = psutil.Process(); installed = allocator.release_cache_on_compile(); "
+              "a = np.ones(2**26, np.float32); del a; before = p.memory_info().rss >> 20; "
+              "jax.jit(lambda x: x * 3.0 + 1.0)(np.float32(2.0)).block_until_ready(); "
+              "print(before, p.memory_info().rss >> 20, allocator.releases_on_compile(), installed)")
+
+
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_a_compilation_empties_the_cache_before_the_program_runs():
+    out = _python(ON_COMPILE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb", STARE_JAX_MALLOC_LIMIT_GB="64")
+    assert out.returncode == 0, out.stderr
+    before, after, releases, installed = out.stdout.split()
+    assert installed == "True" and int(releases) >= 1, out.stdout
+    assert int(before) - int(after) > 150, out.stdout  # the cached 256 MB block left when the program compiled
+    out = _python(ON_COMPILE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system")
+    assert out.stdout.split()[2:] == ["0", "False"], out.stdout  # glibc: no cache, no listener
