@@ -108,37 +108,35 @@ def test_the_cache_of_freed_blocks_is_bounded_by_the_soft_limit():
     assert bounded < 450, (bounded, unbounded)  # 0.24 GB measured
 
 
-# Frees a 256 MB block, then prints the resident set (MB) before and after release_cache() and what it returned.
-RELEASE = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import numpy as np, psutil; "
-           "p = psutil.Process(); a = np.ones(2**26, np.float32); del a; before = p.memory_info().rss >> 20; "
-           "done = allocator.release_cache(); print(before, p.memory_info().rss >> 20, done)")
+def _freed_block_then(action: str, malloc: str) -> tuple[int, str]:
+    """In a fresh process under STARE_JAX_MALLOC=`malloc` (JAX's CPU backend up first): frees a 256 MB
+    block (oneTBB caches it), then evaluates `action`; returns the MB the resident set lost across
+    `action` and `action`'s value as printed."""
+    code = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import numpy as np, psutil, jax; "
+            "jax.devices(); p = psutil.Process(); a = np.ones(2**26, np.float32); del a; "
+            f"before = p.memory_info().rss >> 20; value = {action}; print(before, p.memory_info().rss >> 20, value)")
+    out = _python(code, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC=malloc, STARE_JAX_MALLOC_LIMIT_GB="64")
+    assert out.returncode == 0, out.stderr
+    before, after, value = out.stdout.split()
+    return int(before) - int(after), value
 
 
 @pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
 def test_release_cache_hands_the_cached_blocks_back():
-    out = _python(RELEASE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb", STARE_JAX_MALLOC_LIMIT_GB="64")
-    assert out.returncode == 0, out.stderr
-    before, after, done = out.stdout.split()
-    assert done == "True" and int(before) - int(after) > 200, out.stdout  # the freed 256 MB block stayed cached
-    out = _python(RELEASE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system")
-    assert out.stdout.split()[2] == "False"  # glibc: nothing to release
+    released, done = _freed_block_then("allocator.release_cache()", "tbb")
+    assert done == "True" and released > 200, (released, done)  # the freed 256 MB block stayed cached
+    assert _freed_block_then("allocator.release_cache()", "system")[1] == "False"  # glibc: nothing to release
 
 
-# Caches a freed 256 MB block after JAX's backend is up, then compiles one new program; prints the
-# resident set (MB) before and after the compilation, the hook's count of releases, and whether it was installed.
-ON_COMPILE = ("from stare_jax import allocator; allocator.reexec_if_wanted(); import numpy as np, psutil, jax; "
-              "jax.devices(); p = psutil.Process(); installed = allocator.release_cache_on_compile(); "
-              "a = np.ones(2**26, np.float32); del a; before = p.memory_info().rss >> 20; "
-              "jax.jit(lambda x: x * 3.0 + 1.0)(np.float32(2.0)).block_until_ready(); "
-              "print(before, p.memory_info().rss >> 20, allocator.releases_on_compile(), installed)")
+# installs the listener, compiles one new program, and gives "installed/releases so far"
+ON_COMPILE = ("'%s/%d' % (allocator.release_cache_on_compile(), (jax.jit(lambda x: x * 3.0 + 1.0)"
+              "(np.float32(2.0)).block_until_ready(), allocator.releases_on_compile())[1])")
 
 
 @pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
 def test_a_compilation_empties_the_cache_before_the_program_runs():
-    out = _python(ON_COMPILE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="tbb", STARE_JAX_MALLOC_LIMIT_GB="64")
-    assert out.returncode == 0, out.stderr
-    before, after, releases, installed = out.stdout.split()
-    assert installed == "True" and int(releases) >= 1, out.stdout
-    assert int(before) - int(after) > 150, out.stdout  # the cached 256 MB block left when the program compiled
-    out = _python(ON_COMPILE, JAX_PLATFORMS="cpu", STARE_JAX_MALLOC="system")
-    assert out.stdout.split()[2:] == ["0", "False"], out.stdout  # glibc: no cache, no listener
+    released, value = _freed_block_then(ON_COMPILE, "tbb")
+    installed, releases = value.split("/")
+    assert installed == "True" and int(releases) >= 1, value
+    assert released > 150, released  # the cached 256 MB block left when the program compiled
+    assert _freed_block_then(ON_COMPILE, "system")[1] == "False/0"  # glibc: no cache, no listener
