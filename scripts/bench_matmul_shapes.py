@@ -38,11 +38,9 @@ def default_option_sets() -> dict:
     """The update's shipped CPU options (`update.CPU_UPDATE_COMPILER_OPTIONS` with `model.cpu_gemm =
     "auto"`: Eigen's products) and the same with XLA:CPU's default YNNPACK products (`model.cpu_gemm =
     "ynnpack"`). Imports JAX: call after XLA_FLAGS is set."""
-    from stare_jax import cpu_gemm
-    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS
+    from stare_jax.rl.update import cpu_update_compiler_options
 
-    auto = cpu_gemm.compiler_options("update", "auto", platform="cpu")
-    return {"shipped": {**CPU_UPDATE_COMPILER_OPTIONS, **auto}, "ynnpack": dict(CPU_UPDATE_COMPILER_OPTIONS)}
+    return {"shipped": cpu_update_compiler_options("auto"), "ynnpack": cpu_update_compiler_options("ynnpack")}
 
 
 def products(tokens: int, hidden: int, qkv: int, mlp: int, vocab_chunk: int, square: int):

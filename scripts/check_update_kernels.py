@@ -40,14 +40,6 @@ EIGEN_MATMULS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_experiment
                  "xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
-def shipped_options() -> dict:
-    """The update's CPU compiler options under the default `model.cpu_gemm` (stare_jax.cpu_gemm)."""
-    from stare_jax import cpu_gemm
-    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS
-
-    return {**CPU_UPDATE_COMPILER_OPTIONS, **cpu_gemm.compiler_options("update", "auto", platform="cpu")}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--options", default="",
@@ -62,7 +54,11 @@ def main() -> None:
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
     try:
-        options = json.loads(args.options) if args.options else shipped_options()
+        if args.options:
+            options = json.loads(args.options)
+        else:  # the update's shipped options, `model.cpu_gemm = "auto"`
+            from stare_jax.rl.update import cpu_update_compiler_options
+            options = cpu_update_compiler_options()
     except json.JSONDecodeError as e:
         ap.error(f"--options: not JSON: {e}")
     if not isinstance(options, dict):

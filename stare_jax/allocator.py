@@ -174,26 +174,24 @@ _released_on_compile = 0
 _hook_installed = False
 
 
-def _release_after_compile(event: str, duration_secs: float, **kwargs) -> None:
+def _release_after_compile() -> None:
     global _released_on_compile
-    from stare_jax.compilation import BACKEND_COMPILE_EVENT
-
-    if event == BACKEND_COMPILE_EVENT and release_cache():
+    if release_cache():
         _released_on_compile += 1
 
 
 def release_cache_on_compile() -> bool:
-    """Makes every XLA backend compilation of this process end with `release_cache()` (a JAX
-    monitoring listener on the backend-compile event, which fires after the compiler returns and
-    before the program's first run; module docstring). Returns whether oneTBB's malloc serves this
+    """Makes every XLA backend compilation of this process end with `release_cache()`
+    (`compilation.on_backend_compile`: after the compiler returns, before the program's first run;
+    module docstring). Returns whether oneTBB's malloc serves this
     process (else nothing is installed: there is no cache to empty). Idempotent."""
     global _hook_installed
     if not active():
         return False
     if not _hook_installed:
-        import jax
+        from stare_jax import compilation  # imports JAX: not at this module's import, before the re-exec
 
-        jax.monitoring.register_event_duration_secs_listener(_release_after_compile)
+        compilation.on_backend_compile(_release_after_compile)
         _hook_installed = True
     return True
 

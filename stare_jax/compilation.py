@@ -23,11 +23,21 @@ _total = 0
 _installed = False
 
 
-def _listener(event: str, duration_secs: float, **kwargs) -> None:
+def on_backend_compile(callback) -> None:
+    """Calls `callback()` after every XLA backend compilation of this process (a JAX monitoring
+    listener on `BACKEND_COMPILE_EVENT`, which fires when the compiler returns, before the program's
+    first run)."""
+    def listener(event: str, duration_secs: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            callback()
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+def _count() -> None:
     global _total
-    if event == BACKEND_COMPILE_EVENT:
-        with _lock:
-            _total += 1
+    with _lock:
+        _total += 1
 
 
 class CompilationCounter:
@@ -37,7 +47,7 @@ class CompilationCounter:
         global _installed
         with _lock:
             if not _installed:
-                jax.monitoring.register_event_duration_secs_listener(_listener)
+                on_backend_compile(_count)
                 _installed = True
         self._last = _total
 

@@ -19,6 +19,8 @@ def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu
     assert compiler_options("update", "auto", platform="cpu") == EIGEN_PRODUCTS
     assert EIGEN_PRODUCTS == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
     assert compiler_options("rollout", "auto", platform="cpu") == {}  # the decode's thin products: defaults
+    assert update_lib.cpu_update_compiler_options() == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **EIGEN_PRODUCTS}
+    assert update_lib.cpu_update_compiler_options("ynnpack") == update_lib.CPU_UPDATE_COMPILER_OPTIONS
     for choice in cpu_gemm.CHOICES:
         for phase in cpu_gemm.PHASES:
             for platform in ("gpu", "tpu"):
