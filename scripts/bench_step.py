@@ -169,7 +169,7 @@ class Worker:
                     {k: (round(v, 4) if isinstance(v, float) else v) for k, v in st.items()
                      if k in ("step_s", "rollout_s", "update_s", "reward_s", "tokens", "compilations",
                               "packed_capacity", "response_lens", "update_sys_s", "update_minor_faults",
-                              "step_peak_rss_mb",
+                              "step_peak_rss_mb", "cache_emptied_at_switch",
                               "grpo_update_s", "paired_update_s")}
                     for st in self.steps],
                 **{k: v for k, v in self.info.items() if k != "ready"}}

@@ -23,7 +23,9 @@ runs (`release_cache_on_compile`): the compiler's temporaries and the blocks of 
 before leave, the new program's run maps its own, and the steps that follow reuse them, caching
 only the blocks they recycle. (Emptying it after the compiling step instead, as the trainer did
 at first, made the next step fault all its temporaries in afresh: 1.29 M faults, +16 s of kernel
-time in a SmolLM2-135M update; docs/performance.md.)
+time in a SmolLM2-135M update; docs/performance.md.) It is emptied too when a step's update runs
+another program than the previous step's (`release_cache_on_switch`: a packed capacity switch),
+so that the cache never holds two programs' temporaries at once.
 
 The replacement must be in place before the process's first malloc, so it is installed by
 re-executing the command with `LD_PRELOAD` (`reexec_if_wanted`, called first thing by the CLI
@@ -199,6 +201,28 @@ def release_cache_on_compile() -> bool:
 def releases_on_compile() -> int:
     """How often `release_cache_on_compile`'s listener has emptied the cache in this process."""
     return _released_on_compile
+
+
+_NOTHING_RUN = object()
+_last_program: object = _NOTHING_RUN
+
+
+def release_cache_on_switch(program) -> bool:
+    """Empties oneTBB's cache (`release_cache()`) when `program`, a hashable key naming the large
+    program a step is about to run (the packed update's capacity), differs from the key of the
+    previous call in this process; True when it did. The first call only records its key.
+
+    Each program's temporaries are blocks of its own sizes, and a freed block serves only requests
+    of its size: a run whose steps switch between two packed capacities would keep both programs'
+    temporaries cached (2 x 2.5-2.8 GB a device for SmolLM2-135M's update), cross the soft limit,
+    and then hand every block back as it is freed, so that even the steps that repeat the previous
+    program fault all their temporaries in (docs/performance.md). Emptied at the switch, the cache
+    holds one program's blocks: the switching step maps its own, and the steps that repeat it
+    reuse them."""
+    global _last_program
+    switched = _last_program is not _NOTHING_RUN and program != _last_program
+    _last_program = program
+    return release_cache() if switched else False
 
 
 def reexec_if_wanted(environ: Mapping[str, str] | None = None) -> None:

@@ -483,6 +483,9 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                                                    mesh=mesh)
             t1 = time.perf_counter()
             batch, packing = update.arrange(batch)  # packed layout from host memory: no device read-back
+            if allocator.release_cache_on_switch(packing):  # CPU runs: one program's temporaries cached
+                log.info("oneTBB's cache emptied as step %d's update switched to packed capacity %d "
+                         "(stare_jax.allocator)", step, packing.capacity)
             train_state, update_metrics = update(train_state, parallel.shard_batch(batch, mesh),
                                                  jax.random.fold_in(step_key, 1), packing=packing)
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}

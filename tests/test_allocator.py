@@ -140,3 +140,19 @@ def test_a_compilation_empties_the_cache_before_the_program_runs():
     assert installed == "True" and int(releases) >= 1, value
     assert released > 150, released  # the cached 256 MB block left when the program compiled
     assert _freed_block_then(ON_COMPILE, "system")[1] == "False/0"  # glibc: no cache, no listener
+
+
+# keys of three steps' update programs: one, the same again, then another
+ON_SWITCH = ("'%s/%s/%s' % (allocator.release_cache_on_switch(5120), allocator.release_cache_on_switch(5120), "
+             "allocator.release_cache_on_switch(6144))")
+SAME_AGAIN = "'%s/%s' % (allocator.release_cache_on_switch(5120), allocator.release_cache_on_switch(5120))"
+
+
+@pytest.mark.skipif(not HAVE_TBB, reason="the tbb package is not installed (Linux x86_64 dependency)")
+def test_a_switch_of_update_program_empties_the_cache():
+    released, value = _freed_block_then(ON_SWITCH, "tbb")
+    assert value == "False/False/True", value  # the first key is only recorded; a repeat keeps the cache
+    assert released > 150, released  # the cached 256 MB block left at the switch
+    kept, value = _freed_block_then(SAME_AGAIN, "tbb")
+    assert value == "False/False" and kept < 50, (kept, value)  # the same program again: the block stays cached
+    assert _freed_block_then(ON_SWITCH, "system")[1] == "False/False/False"  # glibc: nothing to empty

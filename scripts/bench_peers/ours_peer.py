@@ -21,10 +21,11 @@ driver's FLOPs and roofline; `slots` > 0 runs the slot-refilling sampler (rollou
 `pack_tokens` > 0 the update on packed responses (ppo.pack_tokens; the batch arranged and the
 packed layout computed on the host, as the trainer does), reporting each step's capacity and the
 XLA compilations it triggered. Each step also reports the STARE update's kernel CPU time and minor
-page faults (`update_sys_s`, `update_minor_faults`). Like `python -m stare_jax.train`, the worker
-re-executes itself with oneTBB's malloc on a CPU host (`stare_jax.allocator`; STARE_JAX_MALLOC=system
-in the driver's environment keeps glibc's, which maps every execution's temporaries afresh) and
-reports which one served it (`malloc`).
+page faults (`update_sys_s`, `update_minor_faults`) and whether oneTBB's cache was emptied before
+the update because its program differs from the previous step's (`cache_emptied_at_switch`). Like
+`python -m stare_jax.train`, the worker re-executes itself with oneTBB's malloc on a CPU host
+(`stare_jax.allocator`; STARE_JAX_MALLOC=system in the driver's environment keeps glibc's, which maps
+every execution's temporaries afresh) and reports which one served it (`malloc`).
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def serve(workload: dict, config) -> None:
         t1 = time.perf_counter()
         batch, packing = update.arrange(batch)  # as the trainer does: groups balanced, layout from host memory
         sharded = parallel.shard_batch(batch, mesh)
+        switched = allocator.release_cache_on_switch(packing)  # as the trainer: one program's temporaries cached
         paired_first = paired is not None and step % 2 == 1  # alternate which update runs first
         if paired_first:
             paired[0], _, paired_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
@@ -260,6 +262,7 @@ def serve(workload: dict, config) -> None:
                   "peak_rss_mb": common.peak_rss_mb(), "step_peak_rss_mb": common.window_peak_rss_mb(),
                   **update_kernel}
         result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
+        result["cache_emptied_at_switch"] = switched
         if packing is not None:
             result["packed_capacity"] = packing.capacity
         if real:
