@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 from typing import Any
 
 import jax
@@ -233,7 +234,12 @@ class Checkpointer:
         if not saved:
             raise RuntimeError(f"checkpoint for step {step} was not written (existing steps: {self.steps()})")
         if os.environ.get(FAULT_KILL_DURING_SAVE) == str(step):
-            # Fault injection for the tests: die while the asynchronous save is in flight.
+            # Fault injection for the tests: die while the asynchronous save is in flight, once its
+            # temporary `<step>.*` directory exists (under load Orbax may not have created it yet)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(
+                    name.startswith(f"{step}.") for name in os.listdir(self.directory)):
+                time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def wait(self) -> None:
