@@ -214,11 +214,12 @@ def release_cache_on_switch(program) -> bool:
 
     Each program's temporaries are blocks of its own sizes, and a freed block serves only requests
     of its size: a run whose steps switch between two packed capacities would keep both programs'
-    temporaries cached (2 x 2.5-2.8 GB a device for SmolLM2-135M's update), cross the soft limit,
-    and then hand every block back as it is freed, so that even the steps that repeat the previous
-    program fault all their temporaries in (docs/performance.md). Emptied at the switch, the cache
-    holds one program's blocks: the switching step maps its own, and the steps that repeat it
-    reuse them."""
+    temporaries cached (one preallocated block a device, 2.5 GB at SmolLM2-135M's capacity 5,120 and
+    2.8 GB at 6,144), past the soft limit. Emptied at the switch, the cache holds one program's
+    blocks: the switching step maps its own, and the steps that repeat it reuse them as long as the
+    rest of the process leaves room under the limit (on a 24 GB host it often does not: the
+    real-model benchmark's process sits at the bound with one program's blocks; docs/performance.md,
+    "The real-model step's page faults alone")."""
     global _last_program
     switched = _last_program is not _NOTHING_RUN and program != _last_program
     _last_program = program
