@@ -97,6 +97,7 @@ def cpu_update_compiler_options(cpu_gemm_choice: str = "auto") -> dict:
     and those of `model.cpu_gemm = cpu_gemm_choice` (`stare_jax.cpu_gemm`)."""
     return {**CPU_UPDATE_COMPILER_OPTIONS, **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu")}
 
+
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
 
 
