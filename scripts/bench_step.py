@@ -352,8 +352,8 @@ PAIRED_CACHE_SHARE = 0.8
 def paired_malloc_limit_gb(environ) -> float | None:
     """oneTBB's cache bound (`stare_jax.allocator`, STARE_JAX_MALLOC_LIMIT_GB) for the stare-jax
     worker of a `--paired-setting` run on a CPU host: `PAIRED_CACHE_SHARE` of the physical memory in
-    GB, against the trainer's default of half. The worker holds two update programs' temporaries;
-    under half the memory oneTBB handed cached blocks back and every update of both settings faulted
+    GB, against the trainer's default of `allocator.CACHE_SHARE`. The worker holds two update
+    programs' temporaries; under half the memory oneTBB handed cached blocks back and every update of both settings faulted
     ~1 million pages in again (3.5-7.4 s of kernel time an update on the real model, against ~0.3
     million unpaired: docs/performance.md, "The vocabulary pass in one chunk"), which weighs on the
     larger setting most. None (leave it) when the caller set the bound or the run is not on a CPU."""

@@ -12,9 +12,15 @@ execution reuses them: ~0.2 M faults an update.
 oneTBB caches each distinct size apart (a freed 1.2 GB block does not serve a 1.1 GB request), so
 a run whose programs vary (the packed update's capacity buckets, the sampler's prompt buckets)
 would keep one block per size. The cache is therefore bounded: once the process holds more than a
-soft limit (`STARE_JAX_MALLOC_LIMIT_GB`, default half the host's physical memory) oneTBB hands
-cached blocks back to the system instead of keeping them (`scalable_allocation_mode`'s soft heap
-limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without it, under 4 GB with a 4 GB limit).
+soft limit (`STARE_JAX_MALLOC_LIMIT_GB`, default `CACHE_SHARE` of the host's physical memory)
+oneTBB hands cached blocks back to the system instead of keeping them (`scalable_allocation_mode`'s
+soft heap limit; 30 distinct sizes of 0.5-1.6 GB held 13.6 GB without it, under 4 GB with a 4 GB
+limit). The default leaves the real-model (SmolLM2-135M) step room on a 24 GB host: its process
+holds ~10 GB in use and oneTBB 11.5-12.3 GB with the update's temporaries cached, above half the
+memory (11.8 GB), where every update faulted 1.3-1.5 M pages in again, including updates that
+repeated the previous step's program; at 13 GiB only the compiling and switching steps did, and the
+update ran 1.23x faster (docs/performance.md, "The real-model step's page faults alone"). The share
+stays well under the memory: the benchmark runs TRL's process beside this one.
 Blocks above the huge-object threshold leave the cache only then, all at once, or when asked: a
 block of a size freed once (the compiler's temporaries, another program's buffers) stays until the
 process crosses the limit, and the crossing also drops the blocks every step reuses. So a
@@ -54,6 +60,8 @@ LIMIT_ENV = "STARE_JAX_MALLOC_LIMIT_GB"
 CHOICES = ("auto", "tbb", "system")
 #: objects of at least this many bytes stay cached when freed (XLA's temporaries: hundreds of MB)
 HUGE_THRESHOLD_BYTES = 1 << 20
+#: the default cache bound as a share of the physical memory (module docstring)
+CACHE_SHARE = 0.55
 _LIBRARIES = ("libtbbmalloc.so.2", "libtbbmalloc_proxy.so.2")  # the proxy needs the allocator loaded
 _ACCELERATOR_MODULES = ("jax_plugins", "libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin")
 
@@ -132,11 +140,11 @@ def physical_memory_bytes() -> int:
 
 
 def soft_limit_bytes(environ: Mapping[str, str]) -> int:
-    """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else half the physical memory.
-    Raises `AllocatorError` for a value that is not a positive number."""
+    """The cache bound (module docstring): STARE_JAX_MALLOC_LIMIT_GB, else `CACHE_SHARE` of the
+    physical memory. Raises `AllocatorError` for a value that is not a positive number."""
     raw = environ.get(LIMIT_ENV, "").strip()
     if not raw:
-        return physical_memory_bytes() // 2
+        return int(CACHE_SHARE * physical_memory_bytes())
     try:
         gb = float(raw)
     except ValueError:
