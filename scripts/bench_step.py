@@ -46,6 +46,9 @@ The last line printed is one JSON object:
         worker's oneTBB cache bound in GB on a CPU host (0.8 of the physical memory, see
         `paired_malloc_limit_gb()`; null when STARE_JAX_MALLOC_LIMIT_GB was set, or off the CPU)
     load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
+    host_memory: {total_mb, min_available_mb, peak_used_mb, samples}: the host's memory sampled every
+        second over the whole invocation, warm-ups included (`HostMemoryWatch`; null off Linux): how
+        close the participants together came to the machine's memory
     protocol: "alternate" (default) or "blocks", the order of the timed steps (`--protocol`)
     host_cpu: the host CPU's model name; each participant's `matmul_peak_gflops` is its own
         framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
@@ -101,6 +104,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -212,6 +216,53 @@ def cpu_steal_jiffies() -> tuple[int, int]:
         return sum(fields), fields[7] if len(fields) > 7 else 0
     except (OSError, ValueError):
         return 0, 0
+
+
+def meminfo_mb() -> dict[str, int] | None:
+    """MemTotal and MemAvailable of /proc/meminfo in MiB ({"total", "available"}), or None where the
+    file is missing or lacks them (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:2]}
+        return {"total": kb["MemTotal"] // 1024, "available": kb["MemAvailable"] // 1024}
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+class HostMemoryWatch:
+    """Samples the host's available memory every `interval_s` seconds in a daemon thread while the
+    invocation runs (warm-ups included), so a run records how close all participants together came
+    to the machine's memory: `summary()` gives total, the minimum available and the peak used
+    (total - available) in MiB, with the number of samples; None where /proc/meminfo is missing."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s, self.samples = interval_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            info = meminfo_mb()
+            if info is None:
+                return
+            self.samples.append(info)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "HostMemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+        total = self.samples[0]["total"]
+        low = min(s["available"] for s in self.samples)
+        return {"total_mb": total, "min_available_mb": low, "peak_used_mb": total - low, "samples": len(self.samples)}
 
 
 def layer_weights(w: dict) -> int:
@@ -525,7 +576,7 @@ def main() -> None:
     shape = {k: workload[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                       "intermediate_size", "num_prompts", "group_size", "prompt_len", "new_tokens")}
     workers: list[Worker] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, HostMemoryWatch() as host_memory:
         if not args.model:
             ckpt = os.path.join(tmp, "model")
             checkpoint.write_synthetic_checkpoint(ckpt, common.synthetic_workload_name(args))
@@ -602,7 +653,8 @@ def main() -> None:
                                     mid["response_lens"] if real else None),
                   participants=summaries, host_cpu=common.host_cpu(), cpu_count=os.cpu_count(),
                   load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2),
-                  cpu_steal_frac=round((stat_after[1] - stat_before[1]) / max(1, stat_after[0] - stat_before[0]), 3))
+                  cpu_steal_frac=round((stat_after[1] - stat_before[1]) / max(1, stat_after[0] - stat_before[0]), 3),
+                  host_memory=host_memory.summary())
     if args.peer:
         result["speedup"] = {p: round(summaries[p]["median_step_s"] / ours["median_step_s"], 2) for p in args.peer}
     if args.grpo:

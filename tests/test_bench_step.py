@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -41,6 +42,11 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     assert names == ["[stare-jax worker] policy loaded on cpu", "[stare-jax worker] bandwidth and matmul peak measured",
                      "[stare-jax worker] first step done"], stages
     assert all(s["step_peak_rss_mb"] > 0 for s in ours["per_step"])
+    # the host's memory over the whole invocation: the worker's anonymous memory (most of its RSS) counts in it
+    mem = out["host_memory"]
+    assert mem["samples"] >= 2 and 0 <= mem["min_available_mb"] < mem["total_mb"]
+    assert mem["peak_used_mb"] == mem["total_mb"] - mem["min_available_mb"]
+    assert mem["peak_used_mb"] >= max(s["step_peak_rss_mb"] for s in ours["per_step"]) / 2
     assert all(s.endswith("s") and float(s.rsplit(" at ", 1)[1][:-1]) >= 0 for s in stages)
     # --grpo: the plain-GRPO update is timed on the same batches in the same worker.
     assert out["grpo_median_update_s"] > 0
@@ -78,6 +84,27 @@ def _bench_step_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_host_memory_watch_samples_until_closed(monkeypatch):
+    """`HostMemoryWatch` keeps sampling /proc/meminfo until its block ends and reports the lowest
+    available memory seen; off Linux (no meminfo) it reports None."""
+    bench_step = _load_script("bench_step", "bench_step.py")
+    readings = iter([{"total": 1000, "available": 700}, {"total": 1000, "available": 300},
+                     {"total": 1000, "available": 600}])
+    monkeypatch.setattr(bench_step, "meminfo_mb", lambda: next(readings, {"total": 1000, "available": 650}))
+    with bench_step.HostMemoryWatch(interval_s=0.01) as watch:
+        while len(watch.samples) < 4:
+            time.sleep(0.01)
+    n = len(watch.samples)
+    time.sleep(0.05)
+    assert len(watch.samples) == n  # stopped with the block
+    assert watch.summary() == {"total_mb": 1000, "min_available_mb": 300, "peak_used_mb": 700, "samples": n}
+    monkeypatch.setattr(bench_step, "meminfo_mb", lambda: None)
+    with bench_step.HostMemoryWatch(interval_s=0.01) as watch:
+        pass
+    assert watch.summary() is None
+    assert set(bench_step.meminfo_mb() or {"total": 0, "available": 0}) == {"total", "available"}
 
 
 def test_step_schedule_alternates_or_runs_blocks():
