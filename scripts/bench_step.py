@@ -258,11 +258,14 @@ class HostMemoryWatch:
         self._thread.join()
 
     def summary(self) -> dict | None:
+        """{total_mb, min_available_mb, peak_used_mb = total_mb - min_available_mb, samples} over the
+        samples taken so far, or None when there are none."""
         if not self.samples:
             return None
         total = self.samples[0]["total"]
         low = min(s["available"] for s in self.samples)
-        return {"total_mb": total, "min_available_mb": low, "peak_used_mb": total - low, "samples": len(self.samples)}
+        return {"total_mb": total, "min_available_mb": low, "peak_used_mb": total - low,
+                "samples": len(self.samples)}
 
 
 def layer_weights(w: dict) -> int:
@@ -404,10 +407,10 @@ def paired_malloc_limit_gb(environ) -> float | None:
     """oneTBB's cache bound (`stare_jax.allocator`, STARE_JAX_MALLOC_LIMIT_GB) for the stare-jax
     worker of a `--paired-setting` run on a CPU host: `PAIRED_CACHE_SHARE` of the physical memory in
     GB, against the trainer's default of `allocator.CACHE_SHARE`. The worker holds two update
-    programs' temporaries; under half the memory oneTBB handed cached blocks back and every update of both settings faulted
-    ~1 million pages in again (3.5-7.4 s of kernel time an update on the real model, against ~0.3
-    million unpaired: docs/performance.md, "The vocabulary pass in one chunk"), which weighs on the
-    larger setting most. None (leave it) when the caller set the bound or the run is not on a CPU."""
+    programs' temporaries; under half the memory oneTBB handed cached blocks back and every update
+    of both settings faulted ~1 million pages in again (3.5-7.4 s of kernel time an update on the
+    real model, against ~0.3 million unpaired: docs/performance.md, "The vocabulary pass in one
+    chunk"), which weighs on the larger setting most. None (leave it) when the caller set the bound or the run is not on a CPU."""
     if environ.get(allocator.LIMIT_ENV) or not allocator.runs_on_cpu(environ):
         return None
     return round(PAIRED_CACHE_SHARE * allocator.physical_memory_bytes() / 2**30, 1)

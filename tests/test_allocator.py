@@ -81,7 +81,8 @@ def test_soft_limit_setting():
     assert allocator.soft_limit_bytes({"STARE_JAX_MALLOC_LIMIT_GB": "1.5"}) == 3 * 2**29
     memory = allocator.physical_memory_bytes()
     # the default: 0.55 of the memory, room above half for the real-model step's cached temporaries
-    assert allocator.soft_limit_bytes({}) == int(0.55 * memory) and memory // 2 < allocator.soft_limit_bytes({}) < memory
+    default = allocator.soft_limit_bytes({})
+    assert default == int(0.55 * memory) and memory // 2 < default < memory
     for bad in ("0", "-2", "lots"):
         with pytest.raises(allocator.AllocatorError, match="positive number of GB"):
             allocator.soft_limit_bytes({"STARE_JAX_MALLOC_LIMIT_GB": bad})
