@@ -19,7 +19,8 @@ limit). The default leaves the real-model (SmolLM2-135M) step room on a 24 GB ho
 holds ~10 GB in use and oneTBB 11.5-12.3 GB with the update's temporaries cached, above half the
 memory (11.8 GB), where every update faulted 1.3-1.5 M pages in again, including updates that
 repeated the previous step's program; at 13 GiB only the compiling and switching steps did, and the
-update ran 1.23x faster (docs/performance.md, "The real-model step's page faults alone"). The share
+update ran 1.23x faster (on a 2-vCPU AMD EPYC Zen 4; docs/performance.md, "The real-model step's
+page faults alone"). The share
 stays well under the memory: the benchmark runs TRL's process beside this one.
 Blocks above the huge-object threshold leave the cache only then, all at once, or when asked: a
 block of a size freed once (the compiler's temporaries, another program's buffers) stays until the
