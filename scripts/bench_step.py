@@ -50,9 +50,10 @@ The last line printed is one JSON object:
         second over the whole invocation, warm-ups included (`HostMemoryWatch`; null off Linux): how
         close the participants together came to the machine's memory
     protocol: "alternate" (default) or "blocks", the order of the timed steps (`--protocol`)
-    host_cpu: the host CPU's model name; each participant's `matmul_peak_gflops` is its own
-        framework's float32 matmul peak on this host (XLA for stare-jax and Tunix, PyTorch's BLAS
-        for TRL): ratios between frameworks depend on the host as much as on the code
+    host_cpu: the host CPU (`common.host_cpu`: model name, family and model, matmul ISA flags);
+        each participant's `matmul_peak_gflops` is its own framework's float32 matmul peak on
+        this host (XLA for stare-jax and Tunix, PyTorch's BLAS for TRL): ratios between
+        frameworks depend on the host as much as on the code
 
     python scripts/bench_step.py [--large | --smoke] [--steps 5] [--warmup-rounds 0] [--grpo] [--peer trl] [--peer tunix] [--dtype bfloat16]
                                  [--peer-python .bench-venv/bin/python] [--cpu-devices N]

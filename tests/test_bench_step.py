@@ -152,6 +152,24 @@ def test_steady_state_leaves_out_the_steps_that_compiled(tmp_path):
     assert proc.returncode == 2 and "cannot resummarize" in proc.stderr
 
 
+def test_host_cpu_names_family_model_and_matmul_isa(tmp_path):
+    """The benchmarks' host label tells apart CPUs that share a VM's model name: family and model
+    numbers from the first processor's block, and which matmul-relevant ISA flags it exposes."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench_peers"))
+    import common
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\n"
+                    "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n\n"
+                    "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: other\nflags\t\t: sse\n")
+    assert common.host_cpu(str(info)) == ("Intel(R) Xeon(R) Processor "
+                                          "(family 6 model 207; avx2 avx512f avx512_bf16 amx_tile)")
+    info.write_text("model name\t: AMD EPYC\nflags\t\t: fpu sse\n")
+    assert common.host_cpu(str(info)).startswith("AMD EPYC (none of avx2/")
+    assert common.host_cpu(str(tmp_path / "missing")) == "unknown"
+    assert isinstance(common.host_cpu(), str) and common.host_cpu()
+
+
 def test_synthetic_workloads_have_the_documented_shapes(tmp_path):
     """The default and --large workloads are the shapes docs/performance.md reports (the tests run
     the protocol on --smoke); --smoke excludes --large and --model, and checkpoint.py writes each

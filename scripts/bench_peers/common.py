@@ -238,16 +238,32 @@ def jax_copy_bandwidth_gbs(n_bytes: int | None = None, repeats: int = 5) -> floa
     return round(2 * n_bytes / best / 1e9, 1)
 
 
-def host_cpu() -> str:
-    """The host CPU's model name (from /proc/cpuinfo; "unknown" where unreadable)."""
+#: the instruction-set flags that decide which matmul kernels a CPU runs (named in `host_cpu`)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host CPU named well enough to tell hosts apart: its model name, family and model
+    numbers, and which of `ISA_FLAGS` it exposes, e.g. "AMD EPYC (family 25 model 17; avx2
+    avx512f avx512_bf16)". A cloud VM's model name alone ("AMD EPYC", "Intel(R) Xeon(R)
+    Processor") covers CPUs of several generations. "unknown" where unreadable."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # the first processor's block names the CPU
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return "unknown"
+        return "unknown"
+    name = fields.get("model name")
+    if not name:
+        return "unknown"
+    flags = set(fields.get("flags", "").split())
+    detail = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields and "model" in fields else []
+    detail.append(" ".join(f for f in ISA_FLAGS if f in flags) or "none of " + "/".join(ISA_FLAGS))
+    return f"{name} ({'; '.join(detail)})"
 
 
 def peak_rss_mb() -> float:
