@@ -26,6 +26,9 @@ The last line printed is one JSON object:
         each group's shared prompt counted once),
         and their rate over median_update_s as a fraction of the measured matmul peak in the run's
         dtype (`--dtype`; on a GPU float32 products may run as TF32, XLA's and PyTorch's default)
+    matmul_peak_gflops_after, update_mfu_after
+        the same peak read again in our worker after the timed rounds, and the MFU against it: a
+        VM's speed can drift within an invocation, and the pair brackets the MFU's reference
     participants: {name: the same per-participant medians}
     dtype, matmul_precision, gpu_gemm, cpu_gemm: the settings of the run (`--dtype`, `--matmul-precision`,
         `--gpu-gemm` / `--cpu-gemm`: stare-jax's kernels for a GPU's products, `stare_jax.gpu_gemm`, and
@@ -150,6 +153,12 @@ class Worker:
         if record:
             self.steps.append(out)
         return out
+
+    def matmul_peak_gflops(self) -> float:
+        """The worker's matmul peak read again now (stare-jax's worker only: `{"cmd": "peak"}`)."""
+        self.proc.stdin.write(json.dumps({"cmd": "peak"}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["matmul_peak_gflops"]
 
     def close(self) -> None:
         """Asks the worker to exit (kills it if it does not within a minute)."""
@@ -619,6 +628,7 @@ def main() -> None:
                       flush=True)
             load_after = os.getloadavg()[0]
             stat_after = cpu_steal_jiffies()
+            peak_after = workers[0].matmul_peak_gflops()  # the host's speed may drift over an invocation
         finally:
             for wk in workers:
                 wk.close()
@@ -650,6 +660,9 @@ def main() -> None:
                   device=ours.get("device", "cpu"),
                   update_model_tflop=round(flops / 1e12, 4), matmul_peak_gflops=peak,
                   update_mfu=round(flops / (mid["update_s"] if real else ours["median_update_s"]) / (peak * 1e9), 3),
+                  matmul_peak_gflops_after=peak_after,
+                  update_mfu_after=round(flops / (mid["update_s"] if real else ours["median_update_s"])
+                                         / (peak_after * 1e9), 3),
                   roofline=roofline(workload, flops, peak, ours["memory_bandwidth_gbs"], ours["replicas"],
                                     mid["update_s"] if real else ours["median_update_s"],
                                     (mid["rollout_s"] - mid["reward_s"]) if real

@@ -32,6 +32,10 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     assert 0 < out["update_mfu"] < 1
     # The framework's own float32 matmul peak and the host it was measured on (ratios depend on both).
     assert ours["matmul_peak_gflops"] == out["matmul_peak_gflops"] > 0
+    # read again after the timed rounds, and the MFU against that reading (each rounded to 3 decimals)
+    ratio = out["matmul_peak_gflops"] / out["matmul_peak_gflops_after"]
+    assert out["matmul_peak_gflops_after"] > 0
+    assert out["update_mfu_after"] == pytest.approx(out["update_mfu"] * ratio, abs=5e-4 * (1 + ratio) + 1e-9)
     assert isinstance(out["host_cpu"], str) and out["host_cpu"]
     assert out["median_step_s"] >= out["median_update_s"]
     # Each stage of the worker's start, in order, with its elapsed time (a run cut off during a slow
