@@ -261,7 +261,9 @@ def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
     if not name:
         return "unknown"
     flags = set(fields.get("flags", "").split())
-    detail = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields and "model" in fields else []
+    detail = []
+    if "cpu family" in fields and "model" in fields:
+        detail.append(f"family {fields['cpu family']} model {fields['model']}")
     detail.append(" ".join(f for f in ISA_FLAGS if f in flags) or "none of " + "/".join(ISA_FLAGS))
     return f"{name} ({'; '.join(detail)})"
 
