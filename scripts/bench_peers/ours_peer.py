@@ -272,12 +272,16 @@ def serve(workload: dict, config) -> None:
             result[paired_key] = paired_s
         return result
 
+    def matmul_peak() -> float:
+        """XLA's matmul peak in the run's dtype on this host now (GFLOP/s)."""
+        return common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
+
     allocator.release_cache_on_compile()  # as the trainer: a new program's one-off blocks leave before it runs
     # The probes run first, so that the warm-up step's programs, compiling after them, leave their
     # one-off blocks behind (the trainer's steady state); probed after the warm-up, they needed the
     # cache emptied again, and the first timed step then faulted every temporary in afresh.
     bandwidth = common.jax_copy_bandwidth_gbs()
-    peak = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())
+    peak = matmul_peak()
     stage("bandwidth and matmul peak measured")
     with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
                     timeout_s=config.reward.timeout_s) as pool:
@@ -293,8 +297,7 @@ def serve(workload: dict, config) -> None:
                      "memory_bandwidth_gbs": bandwidth, "matmul_peak_gflops": peak})
         for cmd in common.commands():  # "peak": the matmul peak read again (after the timed rounds)
             if cmd.get("cmd") == "peak":
-                common.send({"matmul_peak_gflops": common.matmul_peak_gflops(
-                    lambda n: common.jax_matmul(n, config.model.dtype), common.accelerator_sizes())})
+                common.send({"matmul_peak_gflops": matmul_peak()})
             else:
                 common.send(one_step())
 
