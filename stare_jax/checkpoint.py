@@ -125,17 +125,23 @@ def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.stack([s1, s2]), finite
 
 
-_digest_fn = jax.jit(lambda leaves: [_leaf_digest(x) for x in leaves])
+# One small program per distinct (shape, dtype, sharding) of a leaf, not one for the whole state:
+# the first digest of SmolLM2-135M's train state (41 arrays, 11 distinct shapes, 404 M words) took
+# 3.1-4.3 s leaf by leaf against 4.6-7.1 s as one program (its compilation), and ~2 s after it either
+# way (`scripts/bench_checkpoint_digest.py`, 2-vCPU AMD EPYC, Zen 3); a state of many same-shaped
+# leaves compiles once per shape. Every process dispatches the same leaves in the same order.
+_leaf_digest_fn = jax.jit(_leaf_digest)
 
 
 def state_digest(tree) -> dict[str, tuple[list[int], bool]]:
     """{leaf path: ([sum1, sum2], all finite)} for every array of `tree` (a pytree of jax Arrays,
-    NNX states included). Pure and deterministic; the same on any mesh."""
+    NNX states included). Pure and deterministic; the same on any mesh. Each leaf runs
+    `_leaf_digest` as its own jitted program, all dispatched before the first result is read."""
     from stare_jax import parallel
 
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [parallel.path_to_str(p) for p, _ in flat]
-    out = _digest_fn([x for _, x in flat])
+    out = [_leaf_digest_fn(x) for _, x in flat]
     return {p: ([int(v) for v in parallel.to_host(sums)], bool(parallel.to_host(ok)))
             for p, (sums, ok) in zip(paths, out)}
 

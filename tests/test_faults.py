@@ -187,6 +187,24 @@ def test_state_digest_catches_any_single_bit_flip_and_ignores_the_layout():
                                                           "leaves": {"x": [1, 3]}}).startswith("content digest")
 
 
+def test_state_digest_keeps_its_values_and_compiles_one_program_per_leaf_shape():
+    """The digest values of checkpoints written before the leaf-by-leaf programs (the golden sums
+    below were computed by the earlier whole-state program), and one compiled program per distinct
+    leaf shape and dtype, not one per state: a real train state has hundreds of leaves of ~10 shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    tree = {"a": jnp.arange(128, dtype=jnp.float32).reshape(8, 16) / 7, "b": jnp.arange(12, dtype=jnp.int32) * -3,
+            "c": (jnp.arange(10, dtype=jnp.float32) / 3).astype(jnp.bfloat16), "k": jax.random.key(3)}
+    assert ckpt_lib.state_digest(tree) == {"a": ([3818024074, 550416447], True), "b": ([4294964062, 1400792411], True),
+                                           "c": ([1620056, 2414541032], True), "k": ([9, 2527132011], True)}
+    layers = {f"layer{i}": {"w": jnp.full((13, 11), float(i)), "b": jnp.full((3, 11), float(i))} for i in range(12)}
+    before = ckpt_lib._leaf_digest_fn._cache_size()
+    digest = ckpt_lib.state_digest(layers)
+    assert len(digest) == 24 and len({tuple(sums) for sums, _ in digest.values()}) == 24
+    assert ckpt_lib._leaf_digest_fn._cache_size() - before == 2
+
+
 # ----------------------------------------------------------------------------- item 4: signals, item 6: lock
 
 def _tb_events(directory):

@@ -303,3 +303,15 @@ def test_a_partial_study_does_not_overwrite_the_committed_figure(study, tmp_path
                            (["--rows", one_row, "--out", str(tmp_path / "mine.png")], str(tmp_path / "mine.png"))]:
         assert mod.main(["--root", str(tmp_path), "--report-only", *argv]) == 0
         assert os.path.normpath(figures[-1]) == os.path.normpath(expected), argv
+
+
+def test_bench_checkpoint_digest_variants_agree_and_a_missing_model_is_refused(tmp_path, tiny_checkpoints, capsys):
+    """scripts/bench_checkpoint_digest.py: the shipped leaf-by-leaf digest and the whole-state program
+    it replaced give the same sums on a real train state; a --model without config.json exits 2."""
+    bcd = _load("bench_checkpoint_digest")
+    model_dir = tiny_checkpoints["qwen2"]
+    leaf, whole = (bcd.worker(model_dir, variant, repeats=1) for variant in bcd.VARIANTS)
+    assert leaf["fingerprint"] == whole["fingerprint"] and leaf["leaves"] == whole["leaves"] > 3
+    assert len(leaf["repeat_s"]) == 1 and leaf["distinct_shapes"] < leaf["leaves"]
+    assert bcd.main(["--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
