@@ -5,8 +5,10 @@ moments) before its asynchronous write starts, and every restore recomputes it, 
 run times are paid in the training loop. This prints, per variant, the first digest of a fresh
 process (its compilation included; no persistent compilation cache) and the repeats after it:
 
-    leaf   the shipped `state_digest`: one small jitted program per distinct leaf shape
-    whole  one jitted program over every leaf of the state (the digest up to commit 1f3a285)
+    leaf   the shipped `state_digest`: one small jitted program per distinct leaf shape, compiled on
+           a CPU without XLA's tree-reduction rewrite (`checkpoint.CPU_DIGEST_COMPILER_OPTIONS`)
+    whole  one jitted program over every leaf of the state with XLA's default passes (the digest
+           up to commit 1f3a285)
 
 Both give the same sums (asserted). Each variant runs in its own process, alternating over
 --rounds, so compilation is measured each time. Default model: SmolLM2-135M-Instruct of the

@@ -125,12 +125,25 @@ def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.stack([s1, s2]), finite
 
 
-# One small program per distinct (shape, dtype, sharding) of a leaf, not one for the whole state:
-# the first digest of SmolLM2-135M's train state (41 arrays, 11 distinct shapes, 404 M words) took
-# 3.1-4.3 s leaf by leaf against 4.6-7.1 s as one program (its compilation), and ~2 s after it either
-# way (`scripts/bench_checkpoint_digest.py`, 2-vCPU AMD EPYC, Zen 3); a state of many same-shaped
-# leaves compiles once per shape. Every process dispatches the same leaves in the same order.
-_leaf_digest_fn = jax.jit(_leaf_digest)
+# One small program per distinct (shape, dtype, sharding) of a leaf, not one for the whole state,
+# and on a CPU without XLA's tree-reduction rewrite: that pass (there for the rounding of long float
+# sums; these sums are exact integer ones) split each sum into a windowed reduction whose inputs, the
+# hashed words, were written out in full first, so each call faulted in ~2.5 words of temporaries per
+# word digested. Without it the hashing fuses into the two sums: a [196,608, 576] float32 array
+# digests in 96 ms against 504 ms (one CPU device, 2-vCPU AMD EPYC, Zen 3), and SmolLM2-135M's
+# train state (41 arrays, 404 M words) in 0.33-0.37 s against 1.8-2.4 s as one program with the
+# pass, the first digest of a process (compilation included) in 0.96 s against 4.5-4.6 s
+# (`scripts/bench_checkpoint_digest.py`; docs/faults.md). The sums are the same either way. Every
+# process dispatches the same leaves in the same order.
+CPU_DIGEST_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
+_leaf_digest_fns = {"cpu": jax.jit(_leaf_digest, compiler_options=CPU_DIGEST_COMPILER_OPTIONS),
+                    "other": jax.jit(_leaf_digest)}
+
+
+def _leaf_digest_fn(x: jax.Array):
+    """`_leaf_digest(x)` compiled for the platform of `x`'s devices (see CPU_DIGEST_COMPILER_OPTIONS)."""
+    platform = next(iter(x.devices())).platform if isinstance(x, jax.Array) else jax.default_backend()
+    return _leaf_digest_fns["cpu" if platform == "cpu" else "other"](x)
 
 
 def state_digest(tree) -> dict[str, tuple[list[int], bool]]:

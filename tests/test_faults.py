@@ -189,8 +189,9 @@ def test_state_digest_catches_any_single_bit_flip_and_ignores_the_layout():
 
 def test_state_digest_keeps_its_values_and_compiles_one_program_per_leaf_shape():
     """The digest values of checkpoints written before the leaf-by-leaf programs (the golden sums
-    below were computed by the earlier whole-state program), and one compiled program per distinct
-    leaf shape and dtype, not one per state: a real train state has hundreds of leaves of ~10 shapes."""
+    below were computed by the earlier whole-state program), one compiled program per distinct leaf
+    shape and dtype, not one per state, and on a CPU no tree reduction (its temporaries made the
+    digest of a real train state 5x slower: docs/faults.md)."""
     import jax
     import jax.numpy as jnp
 
@@ -199,10 +200,14 @@ def test_state_digest_keeps_its_values_and_compiles_one_program_per_leaf_shape()
     assert ckpt_lib.state_digest(tree) == {"a": ([3818024074, 550416447], True), "b": ([4294964062, 1400792411], True),
                                            "c": ([1620056, 2414541032], True), "k": ([9, 2527132011], True)}
     layers = {f"layer{i}": {"w": jnp.full((13, 11), float(i)), "b": jnp.full((3, 11), float(i))} for i in range(12)}
-    before = ckpt_lib._leaf_digest_fn._cache_size()
+    before = ckpt_lib._leaf_digest_fns["cpu"]._cache_size()
     digest = ckpt_lib.state_digest(layers)
     assert len(digest) == 24 and len({tuple(sums) for sums, _ in digest.values()}) == 24
-    assert ckpt_lib._leaf_digest_fn._cache_size() - before == 2
+    assert ckpt_lib._leaf_digest_fns["cpu"]._cache_size() - before == 2
+    # On a CPU the hashing fuses into the sums: no windowed tree reduction over written-out words.
+    big = jnp.ones((130, 110))  # the rewrite leaves reductions of a few windows alone
+    assert "reduce-window" in jax.jit(ckpt_lib._leaf_digest).lower(big).compile().as_text()
+    assert "reduce-window" not in ckpt_lib._leaf_digest_fns["cpu"].lower(big).compile().as_text()
 
 
 # ----------------------------------------------------------------------------- item 4: signals, item 6: lock
