@@ -49,7 +49,8 @@ TODELETE = "todelete"
 # compiled programs are cached, the float rounding of computations: rematerialisation, the
 # vocabulary chunk and whether its logits are kept, packing, a GPU's GEMM kernels, the decode
 # layers' layout and the static batch's compaction).
-RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "log_every", "test_freq",
+RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "checkpoint_compression", "log_every",
+                     "test_freq",
                      "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
@@ -133,8 +134,8 @@ def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 # digests in 96 ms against 504 ms (one CPU device, 2-vCPU AMD EPYC, Zen 3), and SmolLM2-135M's
 # train state (41 arrays, 404 M words) in 0.33-0.37 s against 1.8-2.4 s as one program with the
 # pass, the first digest of a process (compilation included) in 0.96 s against 4.5-4.6 s
-# (`scripts/bench_checkpoint_digest.py`; docs/faults.md). The sums are the same either way. Every
-# process dispatches the same leaves in the same order.
+# (`scripts/bench_checkpoint.py --part digest`; docs/faults.md). The sums are the same either way.
+# Every process dispatches the same leaves in the same order.
 CPU_DIGEST_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 _leaf_digest_fns = {"cpu": jax.jit(_leaf_digest, compiler_options=CPU_DIGEST_COMPILER_OPTIONS),
                     "other": jax.jit(_leaf_digest)}
@@ -194,9 +195,12 @@ def incompatible_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 class Checkpointer:
     """Saves and restores the run's checkpoints in `workdir/checkpoints` (absolute path)."""
 
-    def __init__(self, workdir: str, *, keep: int = 3, read_only: bool = False):
+    def __init__(self, workdir: str, *, keep: int = 3, read_only: bool = False, compression: bool = False):
+        """`compression`: zstd (level 3) on the state's arrays as they are written (`checkpoint_compression`);
+        restores read either kind."""
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.read_only = read_only
+        self.compression = compression
         if not read_only and jax.process_index() == 0:
             os.makedirs(self.directory, exist_ok=True)
         self._keep = keep
@@ -209,7 +213,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=not self.read_only,
                                                read_only=self.read_only, enable_async_checkpointing=True,
                                                todelete_subdir=None if self.read_only else TODELETE)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # The state item's handler, configured (Orbax's StandardCheckpointHandler, which `StandardSave`
+        # picked before, always compresses); the same zarr3 + OCDBT layout, so earlier steps restore.
+        handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+                                                         use_compression=self.compression),
+                    "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.purge_deleted()
 
     def purge_deleted(self) -> None:
@@ -248,7 +257,7 @@ class Checkpointer:
         digest = {p: sums for p, (sums, _) in state_digest(state).items()}
         meta = {**meta, "digest": {"algorithm": DIGEST_ALGORITHM, "leaves": digest}}
         saved = self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta)), force=True)
         if not saved:
             raise RuntimeError(f"checkpoint for step {step} was not written (existing steps: {self.steps()})")
@@ -301,14 +310,13 @@ class Checkpointer:
         if missing:
             return f"missing file {missing}", None
         try:
+            state_args = ocp.args.PyTreeRestore(
+                item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                partial_restore=partial)
             if partial:
-                state_args = ocp.args.PyTreeRestore(
-                    item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
-                    partial_restore=True)
                 args = ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
             else:
-                args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                          data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+                args = ocp.args.Composite(state=state_args, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
             restored = self._manager.restore(step, args=args)
         except Exception as e:  # corrupt files: fall back to the previous checkpoint
             return f"restore failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}", None

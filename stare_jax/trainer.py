@@ -410,7 +410,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
     from stare_jax.rl import abstract_train_state, create_train_state, make_update_step
 
     mesh = parallel.mesh_from_config(config.mesh)
-    ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
+    ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints, compression=config.checkpoint_compression)
     ckpt.check_compatible(config)
 
     policy = prepare_policy(config, workdir, mesh)

@@ -305,13 +305,17 @@ def test_a_partial_study_does_not_overwrite_the_committed_figure(study, tmp_path
         assert os.path.normpath(figures[-1]) == os.path.normpath(expected), argv
 
 
-def test_bench_checkpoint_digest_variants_agree_and_a_missing_model_is_refused(tmp_path, tiny_checkpoints, capsys):
-    """scripts/bench_checkpoint_digest.py: the shipped leaf-by-leaf digest and the whole-state program
-    it replaced give the same sums on a real train state; a --model without config.json exits 2."""
-    bcd = _load("bench_checkpoint_digest")
+def test_bench_checkpoint_variants_agree_and_a_missing_model_is_refused(tmp_path, tiny_checkpoints, capsys):
+    """scripts/bench_checkpoint.py: the shipped leaf-by-leaf digest and the whole-state program it
+    replaced give the same sums on a real train state; plain and zstd checkpoints of it (perturbed as
+    if trained) restore to the same state; a --model without config.json exits 2."""
+    bc = _load("bench_checkpoint")
     model_dir = tiny_checkpoints["qwen2"]
-    leaf, whole = (bcd.worker(model_dir, variant, repeats=1) for variant in bcd.VARIANTS)
+    leaf, whole = (bc.digest_worker(model_dir, variant, repeats=1) for variant in bc.VARIANTS["digest"])
     assert leaf["fingerprint"] == whole["fingerprint"] and leaf["leaves"] == whole["leaves"] > 3
     assert len(leaf["repeat_s"]) == 1 and leaf["distinct_shapes"] < leaf["leaves"]
-    assert bcd.main(["--model", str(tmp_path)]) == 2
+    plain, zstd = (bc.save_worker(model_dir, variant, repeats=0) for variant in bc.VARIANTS["save"])
+    assert plain["fingerprint"] == zstd["fingerprint"] != leaf["fingerprint"]  # a state as if trained
+    assert len(plain["saves"]) == 1 and plain["state_bytes_written_mb"] > 0 and plain["restore_s"] > 0
+    assert bc.main(["--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The RL train state: policy, AdamW state, STARE controller, step counter, optional reference.
 
 `TrainState` is an NNX module, so `nnx.state(train_state)` is the whole checkpointable state
-(Orbax `StandardSave` takes it as is) and `nnx.split` / `nnx.merge` give the pure form the jitted
+(Orbax `PyTreeSave` takes it as is) and `nnx.split` / `nnx.merge` give the pure form the jitted
 update step works on. Paths: `model/...`, `optimizer/step`, `optimizer/opt_state/...`,
 `controller/{w,m,gate_on,last_entropy}`, `step`, and `ref_model/...` when a frozen reference
 policy is held for a KL penalty (it is never differentiated nor updated).
@@ -93,7 +93,7 @@ def train_state_shardings(state, mesh: Mesh):
 
 def abstract_train_state(train_state: TrainState, mesh: Mesh):
     """`jax.ShapeDtypeStruct`s (with the train-state shardings) of `nnx.state(train_state)`: the
-    restore target for an Orbax `StandardRestore` onto `mesh`."""
+    restore target for an Orbax `PyTreeRestore` onto `mesh`."""
     state = nnx.state(train_state)
     shardings = train_state_shardings(state, mesh)
     return jax.tree_util.tree_map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings)
