@@ -57,12 +57,26 @@ def _copy(workdir, tmp_path):
     return dst
 
 
-def _flip_byte_in_largest_data_file(workdir, step):
-    d = os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_0", "d")
-    path = max((os.path.join(d, f) for f in os.listdir(d)), key=os.path.getsize)
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x40  # one bit, inside raw array bytes: Orbax itself restores this silently
-    open(path, "wb").write(bytes(data))
+def _flip_bit_in_the_largest_weight(workdir, step):
+    """Flips one bit in the middle of the largest trained weight's raw bytes, found by content in the
+    step's OCDBT data files (checkpoints are uncompressed): Orbax itself restores this silently."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    state = os.path.join(workdir, "checkpoints", str(step), "state")
+    weights = [np.ascontiguousarray(np.asarray(x)) for path, x in
+               jax.tree_util.tree_flatten_with_path(ocp.PyTreeCheckpointer().restore(state))[0]
+               if jax.tree_util.keystr(path).startswith("['train']['model']")]
+    raw = max(weights, key=lambda w: w.nbytes).tobytes()
+    d = os.path.join(state, "ocdbt.process_0", "d")
+    for name in os.listdir(d):
+        data = bytearray(open(os.path.join(d, name), "rb").read())
+        at = data.find(raw)
+        if at >= 0:
+            data[at + len(raw) // 2] ^= 0x40
+            open(os.path.join(d, name), "wb").write(bytes(data))
+            return
+    raise AssertionError(f"the largest weight's bytes are in no data file of {d}")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +109,7 @@ def test_bit_flip_in_checkpoint_is_detected_and_every_entry_point_falls_back(fin
     workdir, overrides, *_ = finished_run
     work = _copy(workdir, tmp_path)
     good_eval = open(os.path.join(work, "eval", "step_4.json")).read()
-    _flip_byte_in_largest_data_file(work, 4)
+    _flip_bit_in_the_largest_weight(work, 4)
 
     r = _evaluate(work)
     assert r.returncode == 0, r.stderr[-3000:]
