@@ -14,6 +14,8 @@ the variants alternating over --rounds:
 
 Both give the same sums (asserted).
 
+Each worker runs with the malloc `python -m stare_jax.train` runs with (oneTBB's on a CPU host).
+
 `--part save`: `Checkpointer.save` of the state as some steps into a run (`train_state(trained=True)`), timed to its return (the loop's pause: the digest
 and the start of the write) and to the write's end (`wait`), with the process's CPU time over
 both, the bytes written, and `Checkpointer.restore` of the step onto the same layout.
@@ -165,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
+        from stare_jax import allocator
+        allocator.reexec_if_wanted()  # the malloc `python -m stare_jax.train` runs with (oneTBB's on CPU)
         work = digest_worker if args.part == "digest" else save_worker
         print(json.dumps(work(args.model, args.worker, args.repeats)))
         return 0

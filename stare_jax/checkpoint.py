@@ -129,12 +129,11 @@ def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 # One small program per distinct (shape, dtype, sharding) of a leaf, not one for the whole state,
 # and on a CPU without XLA's tree-reduction rewrite: that pass (there for the rounding of long float
 # sums; these sums are exact integer ones) split each sum into a windowed reduction whose inputs, the
-# hashed words, were written out in full first, so each call faulted in ~2.5 words of temporaries per
-# word digested. Without it the hashing fuses into the two sums: a [196,608, 576] float32 array
-# digests in 96 ms against 504 ms (one CPU device, 2-vCPU AMD EPYC, Zen 3), and SmolLM2-135M's
-# train state (41 arrays, 404 M words) in 0.33-0.37 s against 1.8-2.4 s as one program with the
-# pass, the first digest of a process (compilation included) in 0.96 s against 4.5-4.6 s
-# (`scripts/bench_checkpoint.py --part digest`; docs/faults.md). The sums are the same either way.
+# hashed words, were written out in full first. Without it the hashing fuses into the two sums:
+# SmolLM2-135M's train state (41 arrays, 404 M words) digests in 0.31-0.38 s against 0.65-0.77 s
+# (1.8-2.4 s under glibc's malloc, which faults those temporaries in afresh every call), the first
+# digest of a process (compilation included) in 1.06 s against 4.9-5.6 s (2-vCPU AMD EPYC, Zen 3;
+# `scripts/bench_checkpoint.py --part digest`, docs/faults.md). The sums are the same either way.
 # Every process dispatches the same leaves in the same order.
 CPU_DIGEST_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 _leaf_digest_fns = {"cpu": jax.jit(_leaf_digest, compiler_options=CPU_DIGEST_COMPILER_OPTIONS),
