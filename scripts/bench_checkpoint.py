@@ -2,8 +2,9 @@
 
 Every save computes the content digest of the whole train state (parameters and optimiser moments:
 `stare_jax.checkpoint.state_digest`) before Orbax's asynchronous write starts, and every restore
-recomputes it. Two parts, each variant in its own fresh process (no persistent compilation cache),
-the variants alternating over --rounds:
+recomputes it. Two parts, each variant in its own fresh process (no persistent compilation cache,
+the malloc `python -m stare_jax.train` runs with: oneTBB's on a CPU host), the variants alternating
+over --rounds:
 
 `--part digest`: the first digest of a process (its compilation included) and the repeats after it.
 
@@ -14,11 +15,10 @@ the variants alternating over --rounds:
 
 Both give the same sums (asserted).
 
-Each worker runs with the malloc `python -m stare_jax.train` runs with (oneTBB's on a CPU host).
-
-`--part save`: `Checkpointer.save` of the state as some steps into a run (`train_state(trained=True)`), timed to its return (the loop's pause: the digest
-and the start of the write) and to the write's end (`wait`), with the process's CPU time over
-both, the bytes written, and `Checkpointer.restore` of the step onto the same layout.
+`--part save`: `Checkpointer.save` of the state as some steps into a run (`train_state(trained=True)`),
+timed to its return (the loop's pause: the digest and the start of the write) and to the write's end
+(`wait`), with the process's CPU time over both, the bytes written, and `Checkpointer.restore` of
+the step onto the same layout.
 
     plain  `checkpoint_compression = False` (the default since the commit after 1d96891)
     zstd   `checkpoint_compression = True` (Orbax's zstd, level 3: every earlier checkpoint)

@@ -50,8 +50,7 @@ TODELETE = "todelete"
 # vocabulary chunk and whether its logits are kept, packing, a GPU's GEMM kernels, the decode
 # layers' layout and the static batch's compaction).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "checkpoint_compression", "log_every",
-                     "test_freq",
-                     "compilation_cache_dir",
+                     "test_freq", "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
                      "model.remat", "model.remat_saves", "model.vocab_chunk", "model.vocab_keep_logits_mb",
