@@ -617,9 +617,15 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_collections.ConfigDict:
+CONFIG_FILE = "a Python config file whose get_config() returns an ml_collections ConfigDict, e.g. configs/quickstart.py"
+
+
+def load_config_or_exit(argv: Sequence[str], flag_name: str = "config",
+                        own_flags: Sequence[str] = ()) -> ml_collections.ConfigDict:
     """Loads `--config FILE` with `--config.a.b=value` overrides from argv (ml_collections config flags),
-    validates it, and on any config problem prints one line and exits with status 2."""
+    validates it, and on any config problem prints one line and exits with status 2. `argv` holds
+    the program name and the config's arguments only (the caller removes its own flags, named in
+    `own_flags` for the message); anything else in it is refused as an unknown argument."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -629,6 +635,13 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
     config_flags.DEFINE_config_file(flag_name, None, "experiment config file (get_config())", flag_values=fv,
                                     lock_config=True)
     try:
+        stray = unknown_arguments(argv[1:], flag_name)
+        if stray:  # absl (known_only) would ignore them: a misspelt flag would silently change nothing
+            allowed = ", ".join([f"--{flag_name} FILE", f"--{flag_name}.KEY=VALUE", *own_flags])
+            before = argv[list(argv).index(stray[0]) - 1]
+            if before.startswith(f"--{flag_name}.") and "=" not in before:  # a boolean key's separate value
+                allowed = f"{before}={stray[0]} (a boolean key takes its value after '=')"
+            raise ConfigError(stray[0], f"unknown argument; allowed: {allowed}")
         for arg in argv[1:]:  # unknown override keys: name them before absl does
             if arg.startswith(f"--{flag_name}."):
                 key = arg[len(flag_name) + 3:].split("=", 1)[0]
@@ -639,17 +652,25 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
                     raise ConfigError(key, "unknown key; allowed: " + ", ".join(known[:40]))
         path = _flag_value(argv, flag_name)
         if path is not None and not os.path.isfile(path):
-            raise ConfigError(flag_name, f"{path}: no such file; allowed: a Python config file defining "
-                                         f"get_config(), e.g. configs/quickstart.py")
+            raise ConfigError(flag_name, f"{path}: no such file; allowed: {CONFIG_FILE}")
         saved_argv, sys.argv = sys.argv, list(argv)  # config_flags reads its overrides from sys.argv
+        # config_flags loads every file as the module f"{flag}_config" with SourceFileLoader.load_module,
+        # which re-executes into a module already in sys.modules: an earlier file's get_config would
+        # survive a later file that lacks one.
+        sys.modules.pop(f"{flag_name}_config", None)
         try:
             fv(list(argv), known_only=True)
+            config = getattr(fv, flag_name)
+        except flags.Error:
+            raise
+        except Exception as e:  # the config file fails to load or to run
+            raise ConfigError(flag_name, f"{path}: {type(e).__name__}: {first_line(e)}; allowed: {CONFIG_FILE}") from None
         finally:
             sys.argv = saved_argv
-        config = getattr(fv, flag_name)
         if config is None:
             raise ConfigError(flag_name, "missing; allowed: --config configs/NAME.py")
-        config.keys()
+        if not isinstance(config, ml_collections.ConfigDict):
+            raise ConfigError(flag_name, f"{path}: get_config() returned {type(config).__name__}; allowed: {CONFIG_FILE}")
         overridden = {a[len(flag_name) + 3:].split("=", 1)[0] for a in argv[1:] if a.startswith(f"--{flag_name}.")}
         if "data.name" in overridden:
             # The file's settings for the task it chose give way to the task chosen on the command line;
@@ -668,6 +689,23 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config") -> ml_co
     except Exception as e:  # a config file that fails to load or run, or a bad override
         _exit_config_error(f"config error: {type(e).__name__}: {first_line(e)}")
     return config
+
+
+def unknown_arguments(args: Sequence[str], flag_name: str = "config") -> list[str]:
+    """The arguments of `args` that are neither `--config FILE` / `--config=FILE` nor an override
+    `--config.KEY=VALUE` / `--config.KEY VALUE` (a boolean key may stand alone: `--config.KEY`)."""
+    stray, i = [], 0
+    while i < len(args):
+        a = args[i]
+        takes_next = a == f"--{flag_name}" or (a.startswith(f"--{flag_name}.") and "=" not in a)
+        if not (takes_next or a.startswith(f"--{flag_name}=") or a.startswith(f"--{flag_name}.")):
+            stray.append(a)
+        elif takes_next and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key = a[len(flag_name) + 3:]
+            if a == f"--{flag_name}" or SCHEMA.get(key, _BOOL).type is not bool:
+                i += 1  # its value
+        i += 1
+    return stray
 
 
 def _flag_value(argv: Sequence[str], name: str) -> str | None:

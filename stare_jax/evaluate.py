@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     own = {"--workdir", "--n", "--step"}
     config_args = [a for i, a in enumerate(argv) if a.split("=")[0] not in own
                    and not (i > 0 and argv[i - 1] in own)]
-    config = config_lib.load_config_or_exit(config_args)
+    config = config_lib.load_config_or_exit(config_args, own_flags=("--workdir DIR", "--n N", "--step K"))
     workdir = parse_workdir(argv)
     from stare_jax import checkpoint as ckpt_lib
     from stare_jax import workdir as workdir_lib
@@ -83,9 +83,16 @@ def main(argv=None) -> None:
     eos_ids = tuple(policy.config.eos_token_ids) or (tok.eos_token_id,)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     _, eval_sources = trainer.data_sources(config, workdir)
-    with precision.matmul_precision(config.model.matmul_precision):  # the run's own setting
-        row = trainer._run_eval(config, policy.model, tok, eval_sources, jax.random.key(config.seed), step, workdir,
-                                eos_ids, pad_id, policy.mesh)
+    from stare_jax.rewards import RewardSpecError
+    from stare_jax.train import reward_error_line
+
+    try:
+        with precision.matmul_precision(config.model.matmul_precision):  # the run's own setting
+            row = trainer._run_eval(config, policy.model, tok, eval_sources, jax.random.key(config.seed), step,
+                                    workdir, eos_ids, pad_id, policy.mesh)
+    except RewardSpecError as e:  # the run's reward module, gone or broken since it trained
+        print(reward_error_line(e), file=sys.stderr)
+        sys.exit(2)
     print(json.dumps({"step": step, **row}))
 
 

@@ -38,7 +38,8 @@ def config_and_workdir(argv):
     """(the config of `--config` with its overrides, the `--workdir` value) from argv (argv[0] the
     program); exits 2 with one line on a config error or a missing --workdir."""
     config = config_lib.load_config_or_exit([a for a in argv if not a.startswith("--workdir")
-                                             and not _is_workdir_value(argv, a)])
+                                             and not _is_workdir_value(argv, a)],
+                                            own_flags=("--workdir DIR", "--restarts N"))
     return config, parse_workdir(argv)
 
 
@@ -77,6 +78,7 @@ def main(argv=None) -> None:
     from stare_jax.models import MODEL_INPUT_ERRORS
     from stare_jax.models.gguf import GGUFImportError
     from stare_jax.preemption import Interrupted, Preempted
+    from stare_jax.rewards import RewardSpecError
 
     try:
         trainer.train(config, workdir)
@@ -93,6 +95,9 @@ def main(argv=None) -> None:
     except workdir_lib.WorkdirError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RewardSpecError as e:
+        print(reward_error_line(e), file=sys.stderr)
+        sys.exit(2)
     except checkpoint.IncompatibleCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -102,6 +107,14 @@ def main(argv=None) -> None:
     except DynamicSamplingError as e:
         print(f"error: {e} (the last checkpoint is intact; rerun the command to resume)", file=sys.stderr)
         sys.exit(1)
+
+
+def reward_error_line(e: Exception) -> str:
+    """The one-line message of a reward function that cannot be loaded (`rewards.RewardSpecError`)."""
+    from stare_jax.rewards import REGISTRY
+
+    return (f"config error: reward.name: {e}; allowed: one of {', '.join(repr(r) for r in REGISTRY)} or an importable "
+            f"'package.module:function'")
 
 
 def _is_workdir_value(argv, arg) -> bool:

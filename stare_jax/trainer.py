@@ -396,17 +396,22 @@ def train(config, workdir: str) -> dict:
     lock = workdir_lib.WorkdirLock(workdir) if jax.process_index() == 0 else None
     if lock is not None:
         lock.acquire()
+    from stare_jax.rewards import RewardPool
+
     try:
         with preemption.StopSignal() as stop, precision.matmul_precision(config.model.matmul_precision):
-            return _train(config, workdir, stop)
+            # The verifier pool first: a reward function that cannot be loaded (RewardSpecError)
+            # stops the run before the model loads or anything compiles.
+            with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
+                            timeout_s=config.reward.timeout_s) as pool:
+                return _train(config, workdir, stop, pool)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
+def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     from stare_jax import data as data_lib
-    from stare_jax.rewards import RewardPool
     from stare_jax.rl import abstract_train_state, create_train_state, make_update_step
 
     mesh = parallel.mesh_from_config(config.mesh)
@@ -461,7 +466,6 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                            purge_step=start)
     progress = Progress(config.total_steps, start, enabled=config.logging.progress)
     row: dict = {}
-    pool = RewardPool(config.reward.name, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)
     compilations = CompilationCounter()
     try:
         if (start == 0 and config.eval.enabled and config.eval.at_start
@@ -533,7 +537,6 @@ def _train(config, workdir: str, stop: "preemption.StopSignal") -> dict:
                       eos_ids, pad_id, mesh)
     finally:
         progress.close()
-        pool.close()
         ckpt.close()
         writer.close()
     return row

@@ -108,6 +108,45 @@ def test_cli_missing_workdir_exits_2():
     assert r.returncode == 2 and "--workdir" in r.stderr
 
 
+def test_cli_unknown_flag_exits_2_naming_the_flags_it_takes(tmp_path):
+    r = _cli("--workdir", str(tmp_path / "w"), "--restarts", "1", "--step", "3")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("config error: --step: unknown argument"), r.stderr
+    assert "--workdir DIR" in last and "--restarts N" in last
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--bogus-flag"], "--bogus-flag"),                          # a misspelt or foreign flag
+    (["stray"], "stray"),                                        # a positional argument
+    (["--config.seed=3", "x"], "x"),
+    (["--config.logging.progress", "False"], "--config.logging.progress=False"),  # a boolean's value goes after =
+])
+def test_arguments_absl_would_ignore_are_refused(capsys, args, named):
+    """absl's `known_only` parsing drops what it does not know, so a misspelt flag would silently
+    change nothing (and `--config.BOOL False` would set True): each is refused, naming it."""
+    code, err = _load(capsys, *args)
+    assert code == 2 and len(err.splitlines()) == 1 and named in err and "unknown argument" in err, err
+    assert config_lib.unknown_arguments(["--config", "f.py", "--config.seed", "3", "--config.logging.progress",
+                                         "--config.stare.w=2"]) == []
+
+
+@pytest.mark.parametrize("text, named", [
+    ("x = 1\n", "AttributeError"),                                   # no get_config()
+    ("def get_config():\n    return 5\n", "returned int"),          # not a ConfigDict
+    ("def get_config():\n    raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    ("def get_config(:\n", "SyntaxError"),
+])
+def test_a_config_file_that_does_not_give_a_config_exits_2_naming_it(capsys, tmp_path, text, named):
+    path = tmp_path / "my_config.py"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        config_lib.load_config_or_exit(["train", "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert str(path) in err and named in err and "get_config() returns" in err, err
+
+
 def test_overrides_are_applied_not_silently_dropped():
     c = config_lib.load_config_or_exit(["train", "--config", QUICKSTART, "--config.stare.w=2.5",
                                         "--config.loss.name=grpo", "--config.stare.enabled=False"])

@@ -362,6 +362,9 @@ def test_bad_training_inputs_exit_2_with_one_line(tiny_model, tmp_path):
         (str(tmp_path / "b"), {**base, "model.path": "/nonexistent/model"}, [], ("model.path", "/nonexistent/model")),
         (str(afile), base, [], ("--workdir", str(afile), "not a directory")),
         (str(tmp_path / "c"), base, ["--config", "configs/nonexistent.py"], ("configs/nonexistent.py", "no such file")),
+        # a reward function that cannot be imported: refused as the verifier pool starts, before the model loads
+        (str(tmp_path / "d"), {**base, "reward.name": "tests.reward_fixtures:no_such_reward"}, [],
+         ("reward.name", "has no attribute 'no_such_reward'")),
     ]
     for workdir, overrides, config_args, needles in cases:
         cmd = train_cmd(workdir, overrides)
@@ -417,6 +420,7 @@ def test_bad_evaluate_and_export_inputs_exit_2_with_one_line(finished_run, tmp_p
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_exit_2(_evaluate(str(empty)), str(empty), "no checkpoints")
+    _one_line_exit_2(_evaluate(workdir, "--samples", "3"), "--samples: unknown argument", "--n N")  # not a flag of it
     out = tmp_path / "model.safetensors"
     out.write_text("precious")
     _one_line_exit_2(_export(workdir, str(out)), "--out", "exists and is a file")

@@ -171,6 +171,34 @@ def test_pool_inline_and_spawn():
         RewardPool("nope")
 
 
+def test_a_reward_that_cannot_load_is_refused_as_the_pool_starts(monkeypatch, tmp_path):
+    """A misnamed reward would otherwise score 0 call after call until dynamic sampling gives up:
+    the pool loads its function once at start and raises RewardSpecError (train exits 2), stopping
+    the workers it started; an import that hangs is bounded by LOAD_TIMEOUT_S."""
+    from stare_jax.rewards import pool as pool_lib
+
+    started = []
+    real_start = RewardPool._start_worker
+
+    def recording_start(self, wait=True):
+        w = real_start(self, wait)
+        started.append(w.process.pid)
+        return w
+
+    monkeypatch.setattr(RewardPool, "_start_worker", recording_start)
+    for spec, named in (("tests.no_such_module:f", "ModuleNotFoundError"), (f"{FIX}:no_such_reward", "AttributeError"),
+                        ("stare_jax.rewards.functions:REGISTRY", "not callable")):
+        for workers in (0, 2):
+            with pytest.raises(rewards.RewardSpecError, match=f"{spec!r} cannot be loaded: .*{named}"):
+                RewardPool(spec, num_workers=workers, timeout_s=5.0)
+    (tmp_path / "slow_import_reward.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers take the parent's sys.path
+    monkeypatch.setattr(pool_lib, "LOAD_TIMEOUT_S", 1.0)
+    with pytest.raises(rewards.RewardSpecError, match="did not load within 1 s"):
+        RewardPool("slow_import_reward:f", num_workers=1, start_method="spawn")
+    assert len(started) == 7 and all(_gone(pid) for pid in started)
+
+
 def test_pool_recycles_workers():
     with RewardPool(f"{FIX}:echo_reward", num_workers=1, timeout_s=5.0, max_tasks_per_worker=2) as p:
         first = p.worker_pids

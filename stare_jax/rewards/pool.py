@@ -48,6 +48,15 @@ DEFAULT_PRELOAD = ("stare_jax.rewards.pool", "stare_jax.rewards.functions", "sta
 STAT_KEYS = ("reward_timeouts", "reward_errors", "reward_nonfinite", "reward_calls")
 
 
+LOAD = "load"  # the task id of a worker's start-up check that the pool's reward function imports
+LOAD_TIMEOUT_S = 120.0
+
+
+class RewardSpecError(ValueError):
+    """The pool's reward function cannot be loaded (no such module or function, an import that
+    fails or hangs): bad input, refused when the pool starts rather than scored 0 call by call."""
+
+
 class RewardResult(NamedTuple):
     """Scores float32 [N] (0.0 for failed calls) and the counters of this call."""
 
@@ -90,6 +99,19 @@ def _worker_main(conn, parent_pid: int) -> None:
         if msg is None:
             return
         task_id, spec, response, ground_truth = msg
+        if task_id == LOAD:  # the pool's start-up check of its reward function
+            try:
+                functions[spec] = load_function(spec)
+                reply = (LOAD, "ok", None)
+            except BaseException as e:  # noqa: BLE001 - an import may even call sys.exit
+                from stare_jax.config import first_line
+
+                reply = (LOAD, "error", f"{type(e).__name__}: {first_line(e)}"[:500])
+            try:
+                conn.send(reply)
+            except (EOFError, OSError):
+                return
+            continue
         try:
             fn = functions.get(spec)
             if fn is None:
@@ -176,10 +198,39 @@ class RewardPool:
         self._next_task = 0
         self._errors_logged = 0
         self._finalizer = weakref.finalize(self, RewardPool._shutdown, self._workers)
-        for _ in range(self.num_workers):  # start all, then wait for all: they boot in parallel
-            self._workers.append(self._start_worker(wait=False))
-        for w in self._workers:
-            self._wait_ready(w)
+        try:
+            for _ in range(self.num_workers):  # start all, then wait for all: they boot in parallel
+                self._workers.append(self._start_worker(wait=False))
+            for w in self._workers:
+                self._wait_ready(w)
+            self._check_loadable(self.reward_spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_loadable(self, spec: str) -> None:
+        """Loads `spec` in the first worker (in this process without workers); RewardSpecError when
+        it cannot be imported within LOAD_TIMEOUT_S, so a misnamed reward stops the run at once."""
+        if not self._workers:
+            try:
+                load_function(spec)
+            except Exception as e:  # noqa: BLE001 - any failure to import is the same bad input
+                from stare_jax.config import first_line
+
+                raise RewardSpecError(f"{spec!r} cannot be loaded: {type(e).__name__}: {first_line(e)}") from None
+            return
+        w = self._workers[0]
+        reply = None
+        try:
+            w.conn.send((LOAD, spec, None, None))
+            if w.conn.poll(LOAD_TIMEOUT_S):
+                reply = w.conn.recv()
+        except (EOFError, OSError):
+            pass
+        if reply is None:  # close() (the caller's) kills the worker
+            raise RewardSpecError(f"{spec!r} did not load within {LOAD_TIMEOUT_S:.0f} s in a reward worker")
+        if reply[1] != "ok":
+            raise RewardSpecError(f"{spec!r} cannot be loaded: {reply[2]}")
 
     # -- lifecycle
 
