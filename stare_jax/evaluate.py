@@ -24,6 +24,19 @@ def _flag(argv, name, cast, default=None):
     return default
 
 
+def _count(text: str) -> int:
+    """--n's value as an integer >= 1, else a ConfigError naming it."""
+    from stare_jax.config import ConfigError
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError("--n", f"got {text!r}; allowed: an integer >= 1")
+    return n
+
+
 def main(argv=None) -> None:
     """Parses flags, restores the checkpoint, evaluates, writes and prints the results."""
     argv = list(sys.argv if argv is None else argv)
@@ -42,6 +55,7 @@ def main(argv=None) -> None:
         workdir_lib.check_workdir(workdir)
         config_lib.check_cache_dir(config)
         step = _flag(argv, "step", int)
+        n = _flag(argv, "n", _count)
     except config_lib.ConfigError as e:
         print(str(e), file=sys.stderr)
         sys.exit(2)
@@ -51,11 +65,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         print(f"config error: --step: {e}; allowed: an integer checkpoint step", file=sys.stderr)
         sys.exit(2)
-    n = _flag(argv, "n", int)
     if n is not None:
-        if n < 1:
-            print(f"config error: --n: got {n}; allowed: an integer >= 1", file=sys.stderr)
-            sys.exit(2)
         config.eval.n = n
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from absl import logging as absl_logging

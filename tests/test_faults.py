@@ -415,16 +415,25 @@ def test_a_damaged_model_directory_exits_2_with_one_line(tiny_model, tmp_path):
 
 
 def test_bad_evaluate_and_export_inputs_exit_2_with_one_line(finished_run, tmp_path):
-    workdir, *_ = finished_run
+    workdir, overrides, *_ = finished_run
     _one_line_exit_2(_evaluate(workdir, "--step", "3"), "no complete step 3")
     empty = tmp_path / "empty"
     empty.mkdir()
     _one_line_exit_2(_evaluate(str(empty)), str(empty), "no checkpoints")
     _one_line_exit_2(_evaluate(workdir, "--samples", "3"), "--samples: unknown argument", "--n N")  # not a flag of it
+    _one_line_exit_2(_run(["stare_jax.evaluate", "--config", QUICKSTART, "--workdir", workdir, "--n", "x"]),
+                     "--n: got 'x'; allowed: an integer >= 1")
     out = tmp_path / "model.safetensors"
     out.write_text("precious")
     _one_line_exit_2(_export(workdir, str(out)), "--out", "exists and is a file")
     assert out.read_text() == "precious"
+    # an export onto the run itself would overwrite its config.json, a checkpoint or its base model
+    before = {name: open(os.path.join(workdir, name)).read() for name in ("config.json", "metrics.jsonl")}
+    _one_line_exit_2(_export(workdir, workdir + os.sep), "--out", "is the run's workdir")
+    _one_line_exit_2(_export(workdir, os.path.join(workdir, "checkpoints", "hf")), "inside the run's checkpoints")
+    _one_line_exit_2(_export(workdir, overrides["model.path"]), "the run's base model directory")
+    assert {name: open(os.path.join(workdir, name)).read() for name in before} == before
+    assert not os.path.exists(os.path.join(workdir, "checkpoints", "hf"))
 
 
 # ----------------------------------------------------------------------------- item 6: leftovers
