@@ -204,8 +204,11 @@ def shard_batch(tree, mesh: Mesh):
 
 
 def to_host(x) -> np.ndarray:
-    """The full value of a (possibly multi-process) array as NumPy on every process."""
+    """The full value of a (possibly multi-process) array as NumPy on every process: a replicated
+    array from this process's own copy, a sharded one gathered from every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_fully_replicated:  # every process holds the whole value: no collective
+            return np.asarray(x.addressable_data(0))
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+from stare_jax import trainer
 from stare_jax.writers import read_jsonl
 from tests.e2e_helpers import ROOT, comparable, run_train, subprocess_env, tiny_overrides, train_cmd
 
@@ -57,6 +58,9 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tiny_model, tmp_
         for ra, rb in zip(a, b):
             _close(ra, rb)
         assert os.path.isdir(os.path.join(multi, "checkpoints", "3"))
+        # the content digest the two processes saved (each leaf's sums read from its own replicated
+        # copy, parallel.to_host) is the one a single process recomputes on restore
+        assert trainer.load_trained_policy(multi)[2] == 3
 
 
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
