@@ -547,6 +547,7 @@ def check_paths(config) -> None:
     """Raises ConfigError when a path the run reads does not exist: model.path (a Hugging Face
     directory with config.json, or a .gguf file) and the data files of data.name='math'. Not part of `validate`,
     which stays a pure check of values."""
+    import importlib.util
     import os
 
     c = config
@@ -574,6 +575,9 @@ def check_paths(config) -> None:
                 if not os.path.isfile(f):
                     raise ConfigError(key, f"{f}: no such file; allowed: comma-separated JSONL/parquet paths")
     check_cache_dir(c)
+    if c.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb", "True, but the wandb package is not installed; allowed: False, or "
+                                           "pip install wandb")
 
 
 COMPILATION_CACHE_ENV = "STARE_COMPILATION_CACHE_DIR"  # read when compilation_cache_dir is ""
@@ -588,19 +592,36 @@ def compilation_cache_path(value: str) -> str:
     return path if not path or "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
+# URL schemes a compilation cache may use, with the modules that give etils.epath their file system
+URL_CACHE_BACKENDS = {"gs": ("gcsfs", "tensorflow"), "s3": ("s3fs", "tensorflow")}
+
+
 def check_cache_dir(config) -> None:
     """Raises ConfigError when the compilation cache (`compilation_cache_path`) is a local path that
-    is not a writable directory and cannot become one (it or a parent is a file)."""
+    is not a writable directory and cannot become one (it or a parent is a file), or a URL whose
+    file system is not installed (gs:// without gcsfs) or unknown."""
     import os
 
+    import importlib.util
+
     path = compilation_cache_path(config.compilation_cache_dir)
-    if not path or "://" in path:
+    key = "compilation_cache_dir" if config.compilation_cache_dir else "$" + COMPILATION_CACHE_ENV
+    if "://" in path:  # JAX reads and writes it through etils.epath, which needs the scheme's file system
+        scheme = path.split("://", 1)[0]
+        backends = URL_CACHE_BACKENDS.get(scheme)
+        if backends is None:
+            raise ConfigError(key, f"{path}: unknown URL scheme {scheme!r}; allowed: a local directory, "
+                                   + ", ".join(f"a {s}:// URL" for s in URL_CACHE_BACKENDS) + " or ''")
+        if not any(importlib.util.find_spec(m) for m in backends):
+            raise ConfigError(key, f"{path}: a {scheme}:// cache needs the {backends[0]} package, which is not "
+                                   f"installed; allowed: pip install {backends[0]}, a local directory or ''")
+        return
+    if not path:
         return
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        key = "compilation_cache_dir" if config.compilation_cache_dir else "$" + COMPILATION_CACHE_ENV
         raise ConfigError(key, f"{path}: {existing} is not a writable directory; allowed: a directory (created "
                                f"if absent), a gs:// URL or ''")
 

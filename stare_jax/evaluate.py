@@ -11,7 +11,6 @@ without checkpoints or a --step naming no usable one exits with status 2 and one
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 
@@ -67,10 +66,9 @@ def main(argv=None) -> None:
         sys.exit(2)
     if n is not None:
         config.eval.n = n
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from absl import logging as absl_logging
+    from stare_jax.writers import configure_logging
 
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    configure_logging()
     import jax
 
     from stare_jax import compilation, precision, trainer

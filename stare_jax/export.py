@@ -12,7 +12,6 @@ checkpoints or base model directory) exits 2 with one line.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -24,10 +23,9 @@ def main(argv=None) -> None:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     args = parser.parse_args(None if argv is None else argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from absl import logging as absl_logging
+    from stare_jax.writers import configure_logging
 
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    configure_logging()
     import os
 
     from stare_jax import checkpoint as ckpt_lib

@@ -16,7 +16,6 @@ recorded in WORKDIR/restarts.jsonl
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -55,10 +54,9 @@ def main(argv=None) -> None:
     except (config_lib.ConfigError, workdir_lib.WorkdirError) as e:
         print(str(e) if isinstance(e, config_lib.ConfigError) else f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from absl import logging as absl_logging
+    from stare_jax.writers import configure_logging
 
-    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save step at INFO
+    configure_logging()
     from stare_jax import distributed
 
     distributed.initialize(config)

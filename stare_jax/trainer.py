@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -130,8 +131,12 @@ def _create_embedded_model_pinned(path: str, kwargs: dict, task) -> None:
     for key in ("JAX_NUM_CPU_DEVICES", "JAX_COORDINATOR_ADDRESS", "STARE_COORDINATOR", "STARE_NUM_PROCESSES",
                 "STARE_PROCESS_ID"):
         env.pop(key, None)
-    r = subprocess.run([sys.executable, "-c", code, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True, preexec_fn=_die_with_parent)
+    with warnings.catch_warnings():
+        # JAX warns at every fork of its multithreaded process; this child only sets its death signal
+        # (_die_with_parent, one prctl call) and then execs a new interpreter: no JAX code runs forked.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        r = subprocess.run([sys.executable, "-c", code, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, preexec_fn=_die_with_parent)
     if r.returncode != 0:
         lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
         raise RuntimeError(f"creating the embedded model in {path} failed (exit {r.returncode}): "

@@ -13,6 +13,19 @@ from typing import Any, Mapping
 import jax
 
 
+def configure_logging() -> None:
+    """The entry points' logging: INFO lines with time and logger name on stderr, with absl (Orbax
+    logs every checkpoint step at INFO) and JAX's backend probing ("Unable to initialize backend
+    'tpu'" on every CPU or GPU host) at WARNING."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
 def _jsonable(v: Any):
     if hasattr(v, "item"):
         v = v.item()

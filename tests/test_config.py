@@ -223,6 +223,32 @@ def test_missing_paths_are_config_errors(tmp_path):
         config_lib.check_paths(c)
 
 
+def test_what_the_environment_lacks_for_a_setting_is_a_config_error(monkeypatch):
+    """An optional package a setting needs (wandb for logging.wandb, gcsfs or TensorFlow for a gs://
+    compilation cache) is checked before the run starts: one line, not a traceback mid-run (wandb)
+    or a warning per cached program (gs://)."""
+    import importlib.util
+
+    c = config_lib.default_config()
+    present = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "gcsfs", "tensorflow")
+                        else present(name, *a))
+    c.logging.wandb = True
+    with pytest.raises(config_lib.ConfigError, match="logging.wandb: True, but the wandb package is not installed"):
+        config_lib.check_paths(c)
+    c.logging.wandb = False
+    c.compilation_cache_dir = "gs://bucket/cache"
+    with pytest.raises(config_lib.ConfigError, match="needs the gcsfs package"):
+        config_lib.check_paths(c)
+    c.compilation_cache_dir = "ftp://host/cache"
+    with pytest.raises(config_lib.ConfigError, match="unknown URL scheme 'ftp'"):
+        config_lib.check_paths(c)
+    monkeypatch.setattr(importlib.util, "find_spec", present)
+    monkeypatch.setitem(config_lib.URL_CACHE_BACKENDS, "gs", ("json",))  # a backend that is installed
+    c.compilation_cache_dir = "gs://bucket/cache"
+    config_lib.check_paths(c)
+
+
 def test_every_key_added_since_saved_runs_is_declared_so_they_still_resume():
     """A run saved before a key existed must resume after the upgrade: each new key needs its
     old-behaviour value in checkpoint.ADDED_KEYS (rollout.slots was once missed, and every run saved
