@@ -100,6 +100,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"unrecognised arguments: {' '.join(bad)} (config overrides are --config.a.b=value)")
     if args.devices < 1:
         p.error("--devices must be >= 1")
+    if args.hbm_gib is not None and not args.hbm_gib > 0:  # (NaN too)
+        p.error(f"--hbm-gib must be a number of GiB > 0, got {args.hbm_gib}")
+    if args.explain < 0:
+        p.error(f"--explain must be >= 0, got {args.explain}")
     phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not phases or any(x not in PHASES for x in phases):
         p.error("--phases must be a comma-separated subset of " + ",".join(PHASES))

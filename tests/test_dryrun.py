@@ -155,6 +155,20 @@ def test_config_errors_exit_2_naming_the_key(args, key):
     assert key in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--hbm-gib", "0"], "--hbm-gib must be a number of GiB > 0"),  # divided by: a ZeroDivisionError once
+    (["--hbm-gib", "-1"], "--hbm-gib must be a number of GiB > 0"),
+    (["--hbm-gib", "nan"], "--hbm-gib must be a number of GiB > 0"),
+    (["--explain", "-2"], "--explain must be >= 0"),
+])
+def test_bad_dry_run_flags_exit_2_naming_them(capsys, flags, message):
+    from stare_jax import dryrun
+
+    with pytest.raises(SystemExit) as exc:
+        dryrun.parse_args(["--config", PAPER_7B, "--devices", "8", *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_sampler_shapes_take_each_phases_sampler_settings():
     """The training sampler takes rollout.slots and rollout.compact_min_rows, the evaluation sampler
     eval.slots (and the rollout's compaction), as the trainer passes them to `generate`; the spec
