@@ -600,9 +600,8 @@ def check_cache_dir(config) -> None:
     """Raises ConfigError when the compilation cache (`compilation_cache_path`) is a local path that
     is not a writable directory and cannot become one (it or a parent is a file), or a URL whose
     file system is not installed (gs:// without gcsfs) or unknown."""
-    import os
-
     import importlib.util
+    import os
 
     path = compilation_cache_path(config.compilation_cache_dir)
     key = "compilation_cache_dir" if config.compilation_cache_dir else "$" + COMPILATION_CACHE_ENV
@@ -656,13 +655,6 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config",
     config_flags.DEFINE_config_file(flag_name, None, "experiment config file (get_config())", flag_values=fv,
                                     lock_config=True)
     try:
-        stray = unknown_arguments(argv[1:], flag_name)
-        if stray:  # absl (known_only) would ignore them: a misspelt flag would silently change nothing
-            allowed = ", ".join([f"--{flag_name} FILE", f"--{flag_name}.KEY=VALUE", *own_flags])
-            before = argv[list(argv).index(stray[0]) - 1]
-            if before.startswith(f"--{flag_name}.") and "=" not in before:  # a boolean key's separate value
-                allowed = f"{before}={stray[0]} (a boolean key takes its value after '=')"
-            raise ConfigError(stray[0], f"unknown argument; allowed: {allowed}")
         for arg in argv[1:]:  # unknown override keys: name them before absl does
             if arg.startswith(f"--{flag_name}."):
                 key = arg[len(flag_name) + 3:].split("=", 1)[0]
@@ -671,6 +663,13 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config",
                     section = key.rsplit(".", 1)[0] if "." in key else ""
                     known = sorted(k for k in SCHEMA if k.startswith(section + ".")) if section else known_sections
                     raise ConfigError(key, "unknown key; allowed: " + ", ".join(known[:40]))
+        stray = unknown_arguments(argv[1:], flag_name)
+        if stray:  # absl (known_only) would ignore them: a misspelt flag would silently change nothing
+            allowed = ", ".join([f"--{flag_name} FILE", f"--{flag_name}.KEY=VALUE", *own_flags])
+            before = argv[list(argv).index(stray[0]) - 1]
+            if before.startswith(f"--{flag_name}.") and "=" not in before:  # a boolean key's separate value
+                allowed = f"{before}={stray[0]} (a boolean key takes its value after '=')"
+            raise ConfigError(stray[0], f"unknown argument; allowed: {allowed}")
         path = _flag_value(argv, flag_name)
         if path is not None and not os.path.isfile(path):
             raise ConfigError(flag_name, f"{path}: no such file; allowed: {CONFIG_FILE}")
@@ -722,8 +721,8 @@ def unknown_arguments(args: Sequence[str], flag_name: str = "config") -> list[st
         if not (takes_next or a.startswith(f"--{flag_name}=") or a.startswith(f"--{flag_name}.")):
             stray.append(a)
         elif takes_next and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            key = a[len(flag_name) + 3:]
-            if a == f"--{flag_name}" or SCHEMA.get(key, _BOOL).type is not bool:
+            field = SCHEMA.get(a[len(flag_name) + 3:])
+            if a == f"--{flag_name}" or field is None or field.type is not bool:
                 i += 1  # its value
         i += 1
     return stray

@@ -57,6 +57,13 @@ class RewardSpecError(ValueError):
     fails or hangs): bad input, refused when the pool starts rather than scored 0 call by call."""
 
 
+def _load_failure(e: BaseException) -> str:
+    """A reward function's failure to load as "Type: first line of its message"."""
+    from stare_jax.config import first_line
+
+    return f"{type(e).__name__}: {first_line(e)}"[:500]
+
+
 class RewardResult(NamedTuple):
     """Scores float32 [N] (0.0 for failed calls) and the counters of this call."""
 
@@ -104,9 +111,7 @@ def _worker_main(conn, parent_pid: int) -> None:
                 functions[spec] = load_function(spec)
                 reply = (LOAD, "ok", None)
             except BaseException as e:  # noqa: BLE001 - an import may even call sys.exit
-                from stare_jax.config import first_line
-
-                reply = (LOAD, "error", f"{type(e).__name__}: {first_line(e)}"[:500])
+                reply = (LOAD, "error", _load_failure(e))
             try:
                 conn.send(reply)
             except (EOFError, OSError):
@@ -215,9 +220,7 @@ class RewardPool:
             try:
                 load_function(spec)
             except Exception as e:  # noqa: BLE001 - any failure to import is the same bad input
-                from stare_jax.config import first_line
-
-                raise RewardSpecError(f"{spec!r} cannot be loaded: {type(e).__name__}: {first_line(e)}") from None
+                raise RewardSpecError(f"{spec!r} cannot be loaded: {_load_failure(e)}") from None
             return
         w = self._workers[0]
         reply = None
