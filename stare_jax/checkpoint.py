@@ -145,15 +145,31 @@ def _leaf_digest_fn(x: jax.Array):
     return _leaf_digest_fns["cpu" if platform == "cpu" else "other"](x)
 
 
+def _holds_cpu_collectives(x) -> bool:
+    """True when `x` spans several XLA:CPU devices, so its digest program sums over them with
+    collectives. XLA:CPU runs each device's part of a program as a task of one shared thread pool,
+    and a part waiting at a collective holds its thread: with several such programs in flight the
+    threads can all wait at one program's all-reduce while a device's part of it is queued behind
+    another, a deadlock XLA:CPU aborts after 40 s (reproduced with 4 CPU devices on 2 cores and 40
+    sharded leaves within a few hundred digests; a CI run of the mesh-restore test died of it)."""
+    return isinstance(x, jax.Array) and len(x.devices()) > 1 and next(iter(x.devices())).platform == "cpu"
+
+
 def state_digest(tree) -> dict[str, tuple[list[int], bool]]:
     """{leaf path: ([sum1, sum2], all finite)} for every array of `tree` (a pytree of jax Arrays,
     NNX states included). Pure and deterministic; the same on any mesh. Each leaf runs
-    `_leaf_digest` as its own jitted program, all dispatched before the first result is read."""
+    `_leaf_digest` as its own jitted program, all dispatched before the first result is read,
+    except that a program with XLA:CPU collectives finishes before the next starts
+    (`_holds_cpu_collectives`)."""
     from stare_jax import parallel
 
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [parallel.path_to_str(p) for p, _ in flat]
-    out = [_leaf_digest_fn(x) for _, x in flat]
+    out = []
+    for _, x in flat:
+        out.append(_leaf_digest_fn(x))
+        if _holds_cpu_collectives(x):
+            jax.block_until_ready(out[-1])
     return {p: ([int(v) for v in parallel.to_host(sums)], bool(parallel.to_host(ok)))
             for p, (sums, ok) in zip(paths, out)}
 

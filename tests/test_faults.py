@@ -230,6 +230,32 @@ def test_state_digest_catches_any_single_bit_flip_and_ignores_the_layout():
                                                           "leaves": {"x": [1, 3]}}).startswith("content digest")
 
 
+_DIGEST_STRESS = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from stare_jax import checkpoint
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
+specs = [P("tensor", None), P(None, "tensor"), P(("data", "tensor"), None), P()]
+leaves = {f"w{i}": jax.device_put(jnp.full((64 * (1 + i % 3), 32), float(i)), NamedSharding(mesh, specs[i % 4]))
+          for i in range(40)}
+first = checkpoint.state_digest(leaves)
+for _ in range(int(sys.argv[1])):
+    assert checkpoint.state_digest(leaves) == first
+print("ok")
+"""
+
+
+def test_state_digest_of_sharded_leaves_never_deadlocks_xla_cpu():
+    """More CPU devices than cores (the tests' meshes), 40 sharded leaves: with every leaf's program
+    (each an all-reduce over the devices) in flight at once, XLA:CPU's pool threads deadlocked at
+    one program's collective within 20-160 digests and aborted after 40 s (a CI run died of it in
+    the mesh-restore test); each program with collectives now finishes before the next starts."""
+    r = subprocess.run([sys.executable, "-c", _DIGEST_STRESS, "300"], cwd=ROOT, env=subprocess_env(4),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_state_digest_keeps_its_values_and_compiles_one_program_per_leaf_shape():
     """The digest values of checkpoints written before the leaf-by-leaf programs (the golden sums
     below were computed by the earlier whole-state program), one compiled program per distinct leaf

@@ -35,7 +35,7 @@ def test_the_trainer_runs_inside_the_configured_precision(monkeypatch, tmp_path)
     """train() runs its whole loop (every sampler, update and evaluation it compiles) inside the
     run's `model.matmul_precision`, and restores the process's setting afterwards."""
     seen = []
-    monkeypatch.setattr(trainer, "_train", lambda config, workdir, stop: seen.append(
+    monkeypatch.setattr(trainer, "_train", lambda config, workdir, stop, pool: seen.append(
         jax.config.jax_default_matmul_precision) or {})
     config = default_config()
     for name, expected in (("float32", "float32"), ("tensorfloat32", "tensorfloat32"), ("default", None)):
