@@ -146,13 +146,15 @@ def _leaf_digest_fn(x: jax.Array):
 
 
 def _holds_cpu_collectives(x) -> bool:
-    """True when `x` spans several XLA:CPU devices, so its digest program sums over them with
-    collectives. XLA:CPU runs each device's part of a program as a task of one shared thread pool,
-    and a part waiting at a collective holds its thread: with several such programs in flight the
-    threads can all wait at one program's all-reduce while a device's part of it is queued behind
-    another, a deadlock XLA:CPU aborts after 40 s (reproduced with 4 CPU devices on 2 cores and 40
-    sharded leaves within a few hundred digests; a CI run of the mesh-restore test died of it)."""
-    return isinstance(x, jax.Array) and len(x.devices()) > 1 and next(iter(x.devices())).platform == "cpu"
+    """True when `x` is split over several XLA:CPU devices, so its digest program sums over them
+    with collectives (a replicated leaf is summed on each device alone). XLA:CPU runs each device's
+    part of a program as a task of one shared thread pool, and a part waiting at a collective holds
+    its thread: with several such programs in flight the threads can all wait at one program's
+    all-reduce while a device's part of it is queued behind another, a deadlock XLA:CPU aborts after
+    40 s (reproduced with 4 CPU devices on 2 cores and 40 sharded leaves within a few hundred
+    digests; a CI run of the mesh-restore test died of it)."""
+    return (isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
+            and next(iter(x.devices())).platform == "cpu")
 
 
 def state_digest(tree) -> dict[str, tuple[list[int], bool]]:
