@@ -324,8 +324,11 @@ def decode_responses(tokenizer, response_ids: np.ndarray, response_mask: np.ndar
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids, pad_id, mesh) -> dict:
-    """avg@n and pass@k (k <= n = eval.n) per eval dataset, sampling at eval.temperature / eval.top_p."""
+def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids, pad_id, mesh, pool=None) -> dict:
+    """avg@n and pass@k (k <= n = eval.n) per eval dataset, sampling at eval.temperature / eval.top_p;
+    scored by `pool` (the training's verifier pool) or, without one, a pool of its own."""
+    import contextlib
+
     from stare_jax.data import make_eval_iterator
     from stare_jax.eval_metrics import summarize
     from stare_jax.rewards import RewardPool
@@ -339,8 +342,8 @@ def evaluate_model(config, model, tokenizer, eval_sources: dict, key, *, eos_ids
     while (batch * hosts * n) % shards:
         batch += 1
     results = {}
-    with RewardPool(config.reward.name, num_workers=config.reward.num_workers,
-                    timeout_s=config.reward.timeout_s) as pool:
+    with (contextlib.nullcontext(pool) if pool is not None else
+          RewardPool(config.reward.name, num_workers=config.reward.num_workers, timeout_s=config.reward.timeout_s)) as pool:
         for di, (name, source) in enumerate(sorted(eval_sources.items())):
             rows, samples = [], []
             it = make_eval_iterator(source, tokenizer=tokenizer, batch_size=batch,
@@ -476,7 +479,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
         if (start == 0 and config.eval.enabled and config.eval.at_start
                 and not os.path.exists(os.path.join(workdir, "eval", "step_0.json"))):
             base = _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, 0, workdir, eos_ids,
-                             pad_id, mesh)
+                             pad_id, mesh, pool=pool)
             log.info("initial policy: %s", ", ".join(f"{k} {v:.3f}" for k, v in sorted(base.items())))
         stop.defer()  # from here a signal ends the step in progress and saves (before: nothing to save)
         # logged here, after every refusal of bad input (whose message stays the only line of stderr)
@@ -516,7 +519,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             done = step + 1
             if config.test_freq and done % config.test_freq == 0 and config.eval.enabled:
                 row.update(_run_eval(config, train_state.model, tokenizer, eval_sources, base_key, done,
-                                     workdir, eos_ids, pad_id, mesh))
+                                     workdir, eos_ids, pad_id, mesh, pool=pool))
             writer.write(step, row)
             if done % config.log_every == 0 or done == config.total_steps:
                 progress.update(step, row)
@@ -539,7 +542,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             if signum:
                 raise preemption.Preempted(signum, config.total_steps)
             _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, config.total_steps, workdir,
-                      eos_ids, pad_id, mesh)
+                      eos_ids, pad_id, mesh, pool=pool)
     finally:
         progress.close()
         ckpt.close()
@@ -563,11 +566,13 @@ def _state_of(train_state):
     return nnx.state(train_state)
 
 
-def _run_eval(config, model, tokenizer, eval_sources, base_key, step, workdir, eos_ids, pad_id, mesh) -> dict:
-    """Evaluates, writes WORKDIR/eval/step_<k>.json, returns flat `eval/<dataset>/<metric>` scalars."""
+def _run_eval(config, model, tokenizer, eval_sources, base_key, step, workdir, eos_ids, pad_id, mesh,
+              pool=None) -> dict:
+    """Evaluates (`evaluate_model`), writes WORKDIR/eval/step_<k>.json, returns flat
+    `eval/<dataset>/<metric>` scalars."""
     t0 = time.perf_counter()
     results = evaluate_model(config, model, tokenizer, eval_sources, jax.random.fold_in(base_key, 1 << 30 | step),
-                             eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+                             eos_ids=eos_ids, pad_id=pad_id, mesh=mesh, pool=pool)
     if jax.process_index() == 0:
         os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
         ckpt_lib.write_json_atomic(os.path.join(workdir, "eval", f"step_{step}.json"),
