@@ -14,7 +14,9 @@ local flag alone.
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -84,6 +86,7 @@ class StopSignal:
         if self.signum is not None:  # the second signal: leave now
             sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once without saving\n")
             sys.stderr.flush()
+            remove_multiprocessing_tempdir()
             os._exit(128 + signum)
         if not self.deferring:
             raise Interrupted(signum)
@@ -107,3 +110,13 @@ class StopSignal:
         except RuntimeError:  # the preemption service is off: our own flags still agree
             pass
         return int(np.max(parallel.gather_hosts(np.asarray([mine], np.int32)))) or None
+
+
+def remove_multiprocessing_tempdir() -> None:
+    """Removes this process's multiprocessing temporary directory (`/tmp/pymp-*`, which holds the
+    reward pool's forkserver socket) if it exists. multiprocessing removes it in an exit finalizer,
+    which `os._exit` skips; the forkserver and its workers end by themselves when this process is
+    gone (their pipes to it close)."""
+    tempdir = getattr(multiprocessing.process.current_process(), "_config", {}).get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)

@@ -500,6 +500,33 @@ def test_half_deleted_retired_step_is_removed_on_the_next_start(finished_run, tm
     assert sorted(os.listdir(os.path.join(work, "checkpoints"))) == ["2", "4"]
 
 
+_SECOND_SIGNAL = """
+import multiprocessing, os, signal, time
+from stare_jax import preemption
+child = multiprocessing.get_context("forkserver").Process(target=int)  # starts a forkserver, as the reward pool does
+child.start(); child.join()
+print(multiprocessing.process.current_process()._config["tempdir"], flush=True)
+with preemption.StopSignal() as stop:
+    stop.defer()
+    os.kill(os.getpid(), signal.SIGTERM)  # the first: only flagged
+    assert stop.signum == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGTERM)  # the second: out at once
+    time.sleep(60)
+"""
+
+
+def test_a_second_signal_exits_at_once_and_leaves_no_multiprocessing_tempdir(tmp_path):
+    """A second SIGTERM exits at once with 143 and one line, and removes multiprocessing's
+    /tmp/pymp-* directory (the forkserver's socket), which os._exit would otherwise leave behind."""
+    r = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**subprocess_env(), "TMPDIR": str(tmp_path)})
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == "SIGTERM again: exiting at once without saving"
+    tempdir = r.stdout.strip()
+    assert tempdir.startswith(str(tmp_path)) and os.path.basename(tempdir).startswith("pymp-")
+    assert not os.path.exists(tempdir) and os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
 def test_signal_during_warm_start_exits_at_once_with_one_line(tmp_path, sig, code):
     """SIGINT / SIGTERM before the training loop (here: inside a warm start that would take hours)
