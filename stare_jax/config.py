@@ -10,6 +10,7 @@ compiles.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import sys
 from typing import Any, Callable, Sequence
@@ -424,6 +425,30 @@ def _check_value(key: str, value: Any, spec: Field) -> None:
         raise ConfigError(key, f"got {value!r}; allowed: {spec.allowed()}")
 
 
+def unknown_key_error(key: str) -> ConfigError:
+    """The error for a config key outside SCHEMA. It names the first part of `key` that does not
+    exist (an unknown section, `rl` of `rl.method`, or the key itself), lists what the deepest
+    existing section allows (its keys and subsections), and suggests a known key: one with the same
+    last part, else the nearest by difflib's ratio (>= 0.8 on the whole key, else on its last part)."""
+    parts = key.split(".")
+    sections = {k.rsplit(".", i)[0] for k in SCHEMA for i in range(1, k.count(".") + 1)}
+    depth = len(parts) - 1
+    while depth and ".".join(parts[:depth]) not in sections:
+        depth -= 1
+    section, named = ".".join(parts[:depth]), ".".join(parts[:depth + 1])
+    prefix = section + "." if section else ""
+    entries = sorted({prefix + k[len(prefix):].split(".")[0] for k in SCHEMA if k.startswith(prefix)})
+    by_last = {k.rsplit(".", 1)[-1]: k for k in sorted(SCHEMA, reverse=True)}
+    if parts[-1] in by_last:  # a known name in the wrong section
+        near = [by_last[parts[-1]]]
+    else:
+        near = (difflib.get_close_matches(key, SCHEMA, n=1, cutoff=0.8)
+                or [by_last[m] for m in difflib.get_close_matches(parts[-1], by_last, n=1, cutoff=0.8)])
+    hint = f"did you mean {near[0]}? " if near else ""
+    what = "unknown key" if named == key else "unknown section"
+    return ConfigError(named, f"{what}; {hint}allowed{' in ' + section if section else ''}: {', '.join(entries)}")
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> ml_collections.ConfigDict:
     """Checks every field of `config` and the relations between fields; returns it unchanged.
 
@@ -433,10 +458,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     flat = flatten(config)
     for key in flat:
         if key not in SCHEMA:
-            section = key.rsplit(".", 1)[0] if "." in key else ""
-            known = sorted(k for k in SCHEMA if (k.rsplit(".", 1)[0] if "." in k else "") == section)
-            raise ConfigError(key, f"unknown key; allowed keys{' in ' + section if section else ''}: "
-                                   + ", ".join(known))
+            raise unknown_key_error(key)
     for key in SCHEMA:
         if key not in flat:
             raise ConfigError(key, "missing (start config files from stare_jax.config.default_config())")
@@ -640,6 +662,17 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
 CONFIG_FILE = "a Python config file whose get_config() returns an ml_collections ConfigDict, e.g. configs/quickstart.py"
 
 
+def exit_with_usage_if_asked(argv: Sequence[str], usage: str) -> None:
+    """With -h or --help among argv[1:]: prints `usage` (the entry point's docstring), then every
+    config key with its default (what `--config.KEY=VALUE` can set), and exits with status 0."""
+    if not {"-h", "--help"} & set(argv[1:]):
+        return
+    lines = [usage.strip(), "", "Config keys and their defaults (a config file sets some; --config.KEY=VALUE any):"]
+    lines += [f"  {key} = {value!r}" for key, value in sorted(flatten(default_config()).items())]
+    print("\n".join(lines))
+    sys.exit(0)
+
+
 def load_config_or_exit(argv: Sequence[str], flag_name: str = "config",
                         own_flags: Sequence[str] = ()) -> ml_collections.ConfigDict:
     """Loads `--config FILE` with `--config.a.b=value` overrides from argv (ml_collections config flags),
@@ -659,10 +692,7 @@ def load_config_or_exit(argv: Sequence[str], flag_name: str = "config",
             if arg.startswith(f"--{flag_name}."):
                 key = arg[len(flag_name) + 3:].split("=", 1)[0]
                 if key not in SCHEMA:
-                    known_sections = sorted({k.split(".")[0] for k in SCHEMA})
-                    section = key.rsplit(".", 1)[0] if "." in key else ""
-                    known = sorted(k for k in SCHEMA if k.startswith(section + ".")) if section else known_sections
-                    raise ConfigError(key, "unknown key; allowed: " + ", ".join(known[:40]))
+                    raise unknown_key_error(key)
         stray = unknown_arguments(argv[1:], flag_name)
         if stray:  # absl (known_only) would ignore them: a misspelt flag would silently change nothing
             allowed = ", ".join([f"--{flag_name} FILE", f"--{flag_name}.KEY=VALUE", *own_flags])

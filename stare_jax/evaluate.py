@@ -42,6 +42,8 @@ def main(argv=None) -> None:
     from stare_jax import config as config_lib
     from stare_jax.train import parse_workdir
 
+    config_lib.exit_with_usage_if_asked(argv, __doc__)
+
     own = {"--workdir", "--n", "--step"}
     config_args = [a for i, a in enumerate(argv) if a.split("=")[0] not in own
                    and not (i > 0 and argv[i - 1] in own)]

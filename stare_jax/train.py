@@ -45,6 +45,7 @@ def config_and_workdir(argv):
 def main(argv=None) -> None:
     """Parses flags, validates the config against the devices, and runs training."""
     argv = list(sys.argv if argv is None else argv)
+    config_lib.exit_with_usage_if_asked(argv, __doc__)
     config, workdir = config_and_workdir(argv)
     from stare_jax import workdir as workdir_lib
 

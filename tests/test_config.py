@@ -52,6 +52,30 @@ def test_bad_config_exits_2_naming_the_key(capsys, override, key):
     assert "allowed" in err or "could not convert" in err or "invalid literal" in err
 
 
+@pytest.mark.parametrize("override, line", [
+    # an unknown section is named itself, with the top-level entries (once an empty list)
+    ("--config.rl.method=stare", "config error: rl: unknown section; allowed: advantage, "),
+    # a misspelt key: the nearest known one, then what its section allows
+    ("--config.rollout.temperture=1", "config error: rollout.temperture: unknown key; did you mean "
+                                      "rollout.temperature? allowed in rollout: rollout.compact_min_rows, "),
+    # a known name in the wrong section
+    ("--config.stare.hapo_alpha=1", "config error: stare.hapo_alpha: unknown key; did you mean loss.hapo_alpha? "
+                                    "allowed in stare: stare.adaptive, "),
+    # a misspelt section: named, with the section above it (subsections listed as entries)
+    ("--config.model.embeded.hidden_size=8", "config error: model.embeded: unknown section; did you mean "
+                                             "model.embedded.hidden_size? allowed in model: model.cpu_gemm, "),
+    ("--config.stare.zzz=1", "config error: stare.zzz: unknown key; allowed in stare: stare.adaptive, "),
+])
+def test_unknown_key_names_its_first_unknown_part_and_the_nearest_key(capsys, override, line):
+    code, err = _load(capsys, override)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(line), err
+    section = line.split("allowed in ")[1].split(":")[0] if "allowed in " in line else ""
+    entries = err.split(": ", 3)[-1].split(", ")
+    assert entries and all(e.startswith(section) for e in entries)  # every entry of that section, no other
+    assert ("model.embedded" in entries) == (section == "model")
+
+
 def test_polarity_entropy_keys_accept_good_values():
     c = config_lib.load_config_or_exit(["train", "--config", QUICKSTART, "--config.loss.name=hapo",
                                         "--config.loss.quadrants=phr, NHR", "--config.loss.w_reinforce_lambda=0"])
@@ -74,7 +98,7 @@ def test_quickstart_configs_are_valid():
 def test_unknown_key_inside_a_config_file_is_caught():
     c = config_lib.default_config()
     c.stare.wieght = 1.2
-    with pytest.raises(config_lib.ConfigError, match="stare.wieght"):
+    with pytest.raises(config_lib.ConfigError, match="stare.wieght: unknown key; allowed in stare: stare.adaptive"):
         config_lib.validate(c)
 
 
@@ -267,3 +291,14 @@ def test_every_key_added_since_saved_runs_is_declared_so_they_still_resume():
     assert all(current[k] == ckpt_lib.ADDED_KEYS[k] for k in added if k in ckpt_lib.ADDED_KEYS)
     saved = {k: v for k, v in current.items() if k in old_keys}
     assert ckpt_lib.incompatible_keys(saved, current) == []
+
+
+@pytest.mark.parametrize("module, flag", [("stare_jax.train", "--help"), ("stare_jax.evaluate", "-h")])
+def test_help_prints_the_usage_and_every_config_key_with_its_default(module, flag):
+    r = subprocess.run([sys.executable, "-m", module, "--config", QUICKSTART, flag], cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert f"python -m {module} --config configs/quickstart.py --workdir" in r.stdout
+    listed = dict(line.strip().split(" = ", 1) for line in r.stdout.splitlines() if line.startswith("  ") and " = " in line)
+    assert set(listed) == set(config_lib.SCHEMA)
+    assert listed["stare.w"] == repr(config_lib.default_config().stare.w)
