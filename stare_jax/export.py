@@ -26,18 +26,14 @@ def main(argv=None) -> None:
     from stare_jax.writers import configure_logging
 
     configure_logging()
-    import os
 
     from stare_jax import checkpoint as ckpt_lib
     from stare_jax import trainer
     from stare_jax import workdir as workdir_lib
     from stare_jax.models import MODEL_INPUT_ERRORS, save_pretrained
 
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        print(f"config error: --out: {args.out} exists and is a file; allowed: a new or existing directory",
-              file=sys.stderr)
-        sys.exit(2)
     try:
+        workdir_lib.check_workdir(args.out, flag="--out")
         workdir_lib.check_workdir(args.workdir)
         config, policy, step = trainer.load_trained_policy(args.workdir, step=args.step)
     except workdir_lib.WorkdirError as e:
@@ -53,6 +49,11 @@ def main(argv=None) -> None:
     if clash:
         print(f"config error: --out: {args.out} {clash}; allowed: a directory outside the run's checkpoints and "
               f"base model (a new WORKDIR/export is fine)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        workdir_lib.check_workdir(args.out, create=True, flag="--out")
+    except workdir_lib.WorkdirError as e:
+        print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     save_pretrained(policy, args.out, dtype=args.dtype)
     print(f"exported step {step} of {args.workdir} to {args.out}")

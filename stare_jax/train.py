@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     from stare_jax import workdir as workdir_lib
 
     try:
-        workdir_lib.check_workdir(workdir)
+        workdir_lib.check_workdir(workdir, create=True)
         config_lib.check_paths(config)
     except (config_lib.ConfigError, workdir_lib.WorkdirError) as e:
         print(str(e) if isinstance(e, config_lib.ConfigError) else f"config error: {e}", file=sys.stderr)

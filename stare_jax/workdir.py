@@ -12,6 +12,7 @@ import glob
 import logging
 import os
 import shutil
+import tempfile
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,25 @@ class WorkdirError(ValueError):
     """The workdir cannot be used: it is a file, or another training holds it."""
 
 
-def check_workdir(workdir: str) -> str:
-    """The absolute `workdir`, or WorkdirError when the path exists and is not a directory."""
+def check_workdir(workdir: str, *, create: bool = False, flag: str = "--workdir") -> str:
+    """The absolute `workdir`, or WorkdirError (naming `flag`) when it is empty, exists and is not a
+    directory, or, with `create`, could not be made or written in: a temporary directory is made
+    and removed in it, or in its nearest existing ancestor when it is absent (nothing is left)."""
+    if not workdir.strip():
+        raise WorkdirError(f"{flag}: empty; allowed: a directory path (created if absent)")
     path = os.path.abspath(workdir)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise WorkdirError(f"--workdir: {workdir} exists and is not a directory; allowed: a directory path "
+        raise WorkdirError(f"{flag}: {workdir} exists and is not a directory; allowed: a directory path "
                            f"(created if absent)")
+    if create:
+        ancestor = path
+        while not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=ancestor))
+        except OSError as e:
+            raise WorkdirError(f"{flag}: {workdir}: cannot be created or written in ({e.strerror or e}); allowed: "
+                               f"a directory path this process can write (created if absent)") from None
     return path
 
 

@@ -387,6 +387,9 @@ def test_bad_training_inputs_exit_2_with_one_line(tiny_model, tmp_path):
          ("data.train_files", "data.name='countdown' does not use it")),
         (str(tmp_path / "b"), {**base, "model.path": "/nonexistent/model"}, [], ("model.path", "/nonexistent/model")),
         (str(afile), base, [], ("--workdir", str(afile), "not a directory")),
+        # an empty workdir once trained into the current directory; one under a file crashed in makedirs
+        ("", base, [], ("--workdir: empty",)),
+        (str(afile / "run"), base, [], ("--workdir", str(afile / "run"), "cannot be created or written in")),
         (str(tmp_path / "c"), base, ["--config", "configs/nonexistent.py"], ("configs/nonexistent.py", "no such file")),
         # a reward function that cannot be imported: refused as the verifier pool starts, before the model loads
         (str(tmp_path / "d"), {**base, "reward.name": "tests.reward_fixtures:no_such_reward"}, [],
@@ -451,8 +454,11 @@ def test_bad_evaluate_and_export_inputs_exit_2_with_one_line(finished_run, tmp_p
                      "--n: got 'x'; allowed: an integer >= 1")
     out = tmp_path / "model.safetensors"
     out.write_text("precious")
-    _one_line_exit_2(_export(workdir, str(out)), "--out", "exists and is a file")
+    _one_line_exit_2(_export(workdir, str(out)), "--out", "exists and is not a directory")
     assert out.read_text() == "precious"
+    _one_line_exit_2(_export(workdir, str(out / "hf")), "--out", "cannot be created or written in")
+    _one_line_exit_2(_export(workdir, ""), "--out: empty")
+    _one_line_exit_2(_evaluate(""), "--workdir: empty")
     # an export onto the run itself would overwrite its config.json, a checkpoint or its base model
     before = {name: open(os.path.join(workdir, name)).read() for name in ("config.json", "metrics.jsonl")}
     _one_line_exit_2(_export(workdir, workdir + os.sep), "--out", "is the run's workdir")
