@@ -514,6 +514,20 @@ def chosen_rows(names: str, by_name: dict[str, Row], study: str) -> list[Row] | 
     return [by_name[n] for n in names.split(",")]
 
 
+def study_root(path: str, study: str) -> str | None:
+    """The absolute study root `path`, made if absent, or None after printing one line to stderr
+    when it is empty, a file, or cannot be created or written (the caller exits 2)."""
+    from stare_jax.workdir import WorkdirError, check_workdir
+
+    try:
+        root = check_workdir(path, create=True, flag="--root")
+    except WorkdirError as e:
+        print(f"{study}: {e}", file=sys.stderr)
+        return None
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
 def study_env(one_device: bool = True) -> dict:
     """The environment of a study's runs: this one with the repository on PYTHONPATH and, with
     `one_device` and unless XLA_FLAGS is set, one XLA CPU device a run."""
@@ -575,8 +589,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rows is None:
         return 2
     seeds = [int(s) for s in a.seeds.split(",") if s]
-    root = os.path.abspath(a.root)
-    os.makedirs(root, exist_ok=True)
+    root = study_root(a.root, "entropy_study")
+    if root is None:
+        return 2
     base = load_base_config(QUICKSTART)
     total_steps = a.steps or base.total_steps
     target_entropy = float(base.stare.target_entropy)

@@ -177,8 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rows is None:
         return 2
     seeds = [int(s) for s in a.seeds.split(",") if s]
-    root = os.path.abspath(a.root)
-    os.makedirs(root, exist_ok=True)
+    root = es.study_root(a.root, "quadrant_study")
+    if root is None:
+        return 2
     base = es.load_base_config(es.QUICKSTART_GRPO)
     total_steps = a.steps or base.total_steps
     target_entropy = float(base.stare.target_entropy)

@@ -388,8 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     core = ("grpo_ds", "stare")
     jobs = sorted(((r, s) for r in rows for s in seeds[r.name]),
                   key=lambda j: (j[0].name not in core, j[1], rows.index(j[0])))
-    root = os.path.abspath(a.root)
-    os.makedirs(root, exist_ok=True)
+    root = es.study_root(a.root, "real_model_study")
+    if root is None:
+        return 2
     base = es.load_base_config(STARE)
     total_steps = a.steps or base.total_steps
     env = es.study_env(one_device=False)  # the recipe's own device layout

@@ -288,6 +288,20 @@ def test_study_refuses_bad_steps_and_seeds_before_starting(study, args, tmp_path
 
 
 @pytest.mark.parametrize("study", ["entropy_study", "quadrant_study", "real_model_study"])
+def test_study_refuses_a_root_it_cannot_use_before_starting(study, tmp_path, capsys):
+    """`--root ''` once ran the study in the current directory, and a root under a file crashed in
+    makedirs; both are one line and exit 2 before anything starts."""
+    mod = {"entropy_study": entropy_study, "quadrant_study": quadrant_study}.get(study) or _load(study)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for root, needle in (("", "--root: empty"), (str(afile / "r"), "cannot be created or written in")):
+        assert mod.main(["--root", root, "--steps", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"{study}: ") and needle in err, err
+    assert os.listdir(tmp_path) == ["afile"]
+
+
+@pytest.mark.parametrize("study", ["entropy_study", "quadrant_study", "real_model_study"])
 def test_a_partial_study_does_not_overwrite_the_committed_figure(study, tmp_path, monkeypatch):
     """A run of one row (or other seeds) once wrote its partial figure over the one the docs show
     (docs/figures/<study>.png, the `--out` default): the full default study still writes there, a
