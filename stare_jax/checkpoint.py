@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from stare_jax import config as config_lib
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 ITEMS = workdir_lib.CHECKPOINT_ITEMS
 FAULT_KILL_DURING_SAVE = "STARE_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL right after save(step) starts
+FAULT_DISK_FULL_FROM_SAVE = "STARE_FAULT_DISK_FULL_FROM_SAVE"  # test hook: no free space from save(step) on
 # Old steps are deleted by an atomic rename into this folder, which is then emptied: a kill during
 # the deletion leaves a half-deleted tree there (removed on the next start), never a half-deleted
 # `<step>/` that Orbax would list as a step.
@@ -89,6 +91,15 @@ class IncompatibleCheckpointError(RuntimeError):
 
 class CheckpointUnusableError(RuntimeError):
     """A checkpoint step that was asked for by number cannot be used (missing, incomplete or damaged)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a read-only or failing file system);
+    `step` is the step whose save failed. The committed steps before it are untouched."""
+
+    def __init__(self, message: str, step: int | None):
+        super().__init__(message)
+        self.step = step
 
 
 # ----------------------------------------------------------------------------- content digest
@@ -221,13 +232,16 @@ class Checkpointer:
             os.makedirs(self.directory, exist_ok=True)
         self._keep = keep
         self._manager = None
+        self._pending: int | None = None  # the step of the last save started
         self._open()
 
     def _open(self):
         if self._manager is not None:
             self._manager.close()
+        # cleanup_tmp_directories: the temporary directories of saves a kill interrupted are removed
         options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=not self.read_only,
                                                read_only=self.read_only, enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=not self.read_only,
                                                todelete_subdir=None if self.read_only else TODELETE)
         # The state item's handler, configured (Orbax's StandardCheckpointHandler, which `StandardSave`
         # picked before, always compresses); the same zarr3 + OCDBT layout, so earlier steps restore.
@@ -270,11 +284,17 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
         """Starts an asynchronous save of `state` (a pytree of arrays), the data position and metadata.
         The content digest of `state` (`state_digest`) is stored in the metadata item."""
+        self.wait()  # the previous save's failure is reported as its own
+        self._check_space(step, state)
         digest = {p: sums for p, (sums, _) in state_digest(state).items()}
         meta = {**meta, "digest": {"algorithm": DIGEST_ALGORITHM, "leaves": digest}}
-        saved = self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta)), force=True)
+        try:
+            saved = self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:
+            raise self._write_failed(e, step) from e
+        self._pending = step
         if not saved:
             raise RuntimeError(f"checkpoint for step {step} was not written (existing steps: {self.steps()})")
         if os.environ.get(FAULT_KILL_DURING_SAVE) == str(step):
@@ -286,9 +306,61 @@ class Checkpointer:
                 time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def bytes_needed(self, state) -> int:
+        """About how many bytes this process's next checkpoint takes on disk: the newest committed
+        step's size, with 5 % and 1 MiB to spare, or, before the first (and uncompressed), the
+        state's own bytes; 0 when unknown (a first compressed save)."""
+        committed = [int(n) for n in os.listdir(self.directory) if n.isdigit() and self.is_complete(int(n))]
+        if committed:
+            size = sum(os.path.getsize(os.path.join(root, f))
+                       for root, _, files in os.walk(os.path.join(self.directory, str(max(committed)))) for f in files)
+        elif not self.compression:
+            size = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(state)) // jax.process_count()
+        else:
+            return 0
+        return int(size * 1.05) + 2 ** 20
+
+    def _check_space(self, step: int, state) -> None:
+        """CheckpointWriteError, on every process, when any process's checkpoint directory has less
+        free space than `bytes_needed`: checked before the save starts, so a full disk stops the run
+        with one line instead of failing in Orbax's writer threads."""
+        from stare_jax import parallel
+
+        needed, free = self.bytes_needed(state), shutil.disk_usage(self.directory).free
+        if step >= int(os.environ.get(FAULT_DISK_FULL_FROM_SAVE) or 2 ** 62):
+            free = 0
+        short = np.asarray([needed > free], np.int32)
+        if int(np.max(parallel.gather_hosts(short))):
+            where = (f"{self.directory} needs about {needed / 2 ** 20:.1f} MiB and has {free / 2 ** 20:.1f} MiB free"
+                     if short[0] else "another process's checkpoint directory is short of space")
+            raise CheckpointWriteError(f"the checkpoint of step {step} was not started: {where}", step)
+
+    def check(self) -> None:
+        """CheckpointWriteError if a save running in the background has failed by now (does not
+        block: the train loop calls it after every step, so a failed save stops the run before more
+        steps are done that no checkpoint holds)."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise self._write_failed(e, self._pending) from e
+
     def wait(self) -> None:
-        """Blocks until pending saves are committed."""
-        self._manager.wait_until_finished()
+        """Blocks until pending saves are committed; CheckpointWriteError if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._write_failed(e, self._pending) from e
+
+    def _write_failed(self, e: Exception, step: int | None) -> CheckpointWriteError:
+        """The error for a save that failed, after removing the temporary directories of unfinished
+        saves (what a full disk most needs back; Orbax would remove them on the next start)."""
+        if not self.read_only and jax.process_index() == 0:
+            for name in os.listdir(self.directory):
+                if ".orbax-checkpoint-tmp" in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        failed = f"step {step}" if step is not None else "a step"
+        return CheckpointWriteError(f"the checkpoint of {failed} could not be written to {self.directory}: "
+                                    f"{workdir_lib.storage_reason(e) or config_lib.first_line(e)[:200]}", step)
 
     def read_meta(self, step: int) -> dict:
         """The JSON metadata of `step` (config, step, versions)."""
@@ -376,10 +448,16 @@ class Checkpointer:
             return
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
-        self.purge_deleted()
+        """Waits for pending saves and releases the manager (its threads end even when a save
+        failed: CheckpointWriteError is raised after)."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self._manager.close()
+            except Exception as e:  # the failed save's error again: already reported by wait()
+                log.debug("checkpoint manager close: %s", e)
+            self.purge_deleted()
 
 
 def write_json_atomic(path: str, obj) -> None:

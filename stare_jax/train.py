@@ -106,6 +106,29 @@ def main(argv=None) -> None:
     except DynamicSamplingError as e:
         print(f"error: {e} (the last checkpoint is intact; rerun the command to resume)", file=sys.stderr)
         sys.exit(1)
+    except Exception as e:  # a full or failing disk: one line; anything else keeps its traceback
+        if not isinstance(e, checkpoint.CheckpointWriteError) and workdir_lib.storage_reason(e) is None:
+            raise
+        print(storage_error_line(e, workdir), file=sys.stderr)
+        sys.exit(1)
+
+
+def storage_error_line(e: Exception, workdir: str) -> str:
+    """The one-line message of a run stopped because its files could not be written (a checkpoint,
+    metrics, an evaluation, data): what failed, the system's reason, and the committed checkpoint a
+    rerun resumes from."""
+    from stare_jax import checkpoint, supervisor
+    from stare_jax import workdir as workdir_lib
+    from stare_jax.config import first_line
+
+    if isinstance(e, checkpoint.CheckpointWriteError):
+        what = str(e)
+    else:
+        what = (f"writing under {workdir} failed: {workdir_lib.storage_reason(e)} "
+                f"({type(e).__name__}: {first_line(e)[:160]})")
+    step = supervisor.latest_committed_step(os.path.abspath(workdir))
+    kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
+    return f"error: {what}; {kept}: free space (or fix the file system) and rerun the same command to resume"
 
 
 def reward_error_line(e: Exception) -> str:

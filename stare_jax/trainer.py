@@ -521,6 +521,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                 row.update(_run_eval(config, train_state.model, tokenizer, eval_sources, base_key, done,
                                      workdir, eos_ids, pad_id, mesh, pool=pool))
             writer.write(step, row)
+            ckpt.check()  # a failed background save stops the run here (CheckpointWriteError)
             if done % config.log_every == 0 or done == config.total_steps:
                 progress.update(step, row)
             signum = stop.agreed(step)

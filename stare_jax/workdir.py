@@ -7,6 +7,7 @@ re-run. Evaluation and export only read and take no lock.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import logging
@@ -27,6 +28,25 @@ def step_is_committed(checkpoints_dir: str, step: int) -> bool:
     root = os.path.join(checkpoints_dir, str(step))
     return os.path.isfile(os.path.join(root, COMMIT_MARKER)) and all(
         os.path.isfile(os.path.join(root, item, COMMIT_MARKER)) for item in CHECKPOINT_ITEMS)
+
+
+#: the errors of a full or failing disk: no space, a quota, a read-only file system, I/O, a file size limit
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+def storage_reason(e: BaseException) -> str | None:
+    """The system's reason when `e` or an exception in its cause/context chain is a failed write to
+    storage (an OSError with one of `STORAGE_ERRNOS`, or a library's error quoting its strerror, as
+    TensorStore's and array_record's do), e.g. "No space left on device (errno 28)"; else None."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in STORAGE_ERRNOS:
+            return f"{os.strerror(seen.errno)} (errno {seen.errno})"
+        for code in STORAGE_ERRNOS:
+            if os.strerror(code) in str(seen):
+                return f"{os.strerror(code)} (errno {code})"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class WorkdirError(ValueError):

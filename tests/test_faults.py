@@ -551,3 +551,30 @@ def test_signal_during_warm_start_exits_at_once_with_one_line(tmp_path, sig, cod
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"stopped by {sig.name} before the first"), err
+
+
+def test_storage_failures_are_recognised_through_library_wrappers(tmp_path):
+    """`workdir.storage_reason` finds a full or failing disk in an OSError, in a library's error that
+    quotes the system's message (TensorStore, array_record), or in an exception's cause; other
+    errors (a missing file, a bug) are not storage failures and keep their traceback in `train`."""
+    import errno
+
+    from stare_jax import train, workdir as workdir_lib
+
+    reason = workdir_lib.storage_reason
+    assert reason(OSError(errno.ENOSPC, "No space left on device", "/x")) == "No space left on device (errno 28)"
+    assert reason(RuntimeError('Failed to finalize writing of split "train": write() failed: File too large')) == \
+        f"File too large (errno {errno.EFBIG})"
+    try:
+        try:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        except OSError as e:
+            raise ValueError("save failed") from e
+    except ValueError as e:
+        assert reason(e) == f"Read-only file system (errno {errno.EROFS})"
+    assert reason(FileNotFoundError(errno.ENOENT, "No such file or directory")) is None
+    assert reason(ValueError("shapes do not match")) is None
+    line = train.storage_error_line(OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl"), str(tmp_path))
+    assert line == (f"error: writing under {tmp_path} failed: No space left on device (errno 28) (OSError: [Errno 28] "
+                    f"No space left on device: '/w/metrics.jsonl'); no checkpoint was committed yet: free space (or "
+                    f"fix the file system) and rerun the same command to resume")

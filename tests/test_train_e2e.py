@@ -4,6 +4,7 @@ Runs use a tiny embedded model built once per session, passed as `model.path` so
 through the same Hugging Face loading path as a real model.
 """
 
+import errno
 import json
 import os
 import random
@@ -100,6 +101,62 @@ def test_sigkill_during_checkpoint_save_then_resume(tiny_model, reference_run, t
     assert r.returncode == 0, r.stderr[-3000:]
     assert "moved aside" in r.stderr
     assert comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == ref_rows
+
+
+def test_a_full_disk_stops_at_the_save_with_one_line_and_the_rerun_resumes(tiny_model, reference_run, tmp_path):
+    """A checkpoint directory without room for the next save (checked before it starts, here by
+    the test hook) stops the run with one line and exit 1, the previous checkpoint intact; with
+    space again the same command resumes from it and ends like an uninterrupted run."""
+    model, data = tiny_model
+    _, ref_rows = reference_run
+    workdir = str(tmp_path / "run")
+    overrides = tiny_overrides(model, data)
+    r = run_train(workdir, overrides, **{ckpt_lib.FAULT_DISK_FULL_FROM_SAVE: "4"})
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the checkpoint of step 4 was not started: ") and "MiB free" in last, last
+    assert last.endswith("the checkpoint of step 2 is intact: free space (or fix the file system) and rerun the "
+                         "same command to resume"), last
+    assert "Traceback" not in r.stderr and "ERROR" not in r.stderr, r.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    r = run_train(workdir, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step 2" in r.stderr
+    assert comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == ref_rows
+
+
+_FAILED_WRITE = """
+import os, resource, sys, time
+import jax.numpy as jnp
+from stare_jax import checkpoint as ckpt_lib
+ckpt = ckpt_lib.Checkpointer(sys.argv[1], keep=2)
+ckpt.save(1, {"w": jnp.ones((512, 512), jnp.float32)}, {"pos": 1}, {"step": 1})
+ckpt.wait()
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, resource.RLIM_INFINITY))  # no file above 256 KiB
+ckpt.save(2, {"w": jnp.full((512, 512), 2.0, jnp.float32)}, {"pos": 2}, {"step": 2})  # fails in Orbax's threads
+try:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ckpt.check()
+        time.sleep(0.02)
+    ckpt.wait()
+except ckpt_lib.CheckpointWriteError as e:
+    print(f"{e.step}|{e}")
+ckpt.close()
+"""
+
+
+def test_a_save_that_fails_in_the_background_is_one_error_naming_the_step_and_reason(tmp_path):
+    """A write that fails inside Orbax's writer threads (here: a file size limit, EFBIG) surfaces at
+    the next `check()` or `wait()` as CheckpointWriteError naming the step and the system's reason;
+    the failed step's temporary directory is removed and the committed step stays."""
+    r = subprocess.run([sys.executable, "-c", _FAILED_WRITE, str(tmp_path)], cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    step, message = r.stdout.strip().split("|")
+    assert step == "2" and message == (f"the checkpoint of step 2 could not be written to {tmp_path}/checkpoints: "
+                                       f"File too large (errno {errno.EFBIG})"), r.stdout
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
 
 
 def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
