@@ -239,7 +239,10 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.close()
         # cleanup_tmp_directories: the temporary directories of saves a kill interrupted are removed
-        options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=not self.read_only,
+        # read-only: the values Orbax would otherwise set with a warning each
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if self.read_only else self._keep,
+                                               save_interval_steps=0 if self.read_only else 1,
+                                               create=not self.read_only,
                                                read_only=self.read_only, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=not self.read_only,
                                                todelete_subdir=None if self.read_only else TODELETE)
@@ -309,7 +312,10 @@ class Checkpointer:
     def bytes_needed(self, state) -> int:
         """About how many bytes this process's next checkpoint takes on disk: the newest committed
         step's size, with 5 % and 1 MiB to spare, or, before the first (and uncompressed), the
-        state's own bytes; 0 when unknown (a first compressed save)."""
+        state's own bytes; 0 when unknown (a first compressed save, a directory this process does
+        not see)."""
+        if not os.path.isdir(self.directory):  # another process's local directory, made by its process 0
+            return 0
         committed = [int(n) for n in os.listdir(self.directory) if n.isdigit() and self.is_complete(int(n))]
         if committed:
             size = sum(os.path.getsize(os.path.join(root, f))
@@ -326,7 +332,8 @@ class Checkpointer:
         with one line instead of failing in Orbax's writer threads."""
         from stare_jax import parallel
 
-        needed, free = self.bytes_needed(state), shutil.disk_usage(self.directory).free
+        needed = self.bytes_needed(state)
+        free = shutil.disk_usage(self.directory).free if needed else 0
         if step >= int(os.environ.get(FAULT_DISK_FULL_FROM_SAVE) or 2 ** 62):
             free = 0
         short = np.asarray([needed > free], np.int32)

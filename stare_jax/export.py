@@ -55,7 +55,15 @@ def main(argv=None) -> None:
     except workdir_lib.WorkdirError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    save_pretrained(policy, args.out, dtype=args.dtype)
+    try:
+        save_pretrained(policy, args.out, dtype=args.dtype)
+    except Exception as e:  # a full or failing disk: one line
+        reason = workdir_lib.storage_reason(e)
+        if reason is None:
+            raise
+        print(f"error: writing {args.out} failed: {reason}; free space (or fix the file system) and rerun",
+              file=sys.stderr)
+        sys.exit(1)
     print(f"exported step {step} of {args.workdir} to {args.out}")
 
 

@@ -113,7 +113,7 @@ def main(argv=None) -> None:
         sys.exit(1)
 
 
-def storage_error_line(e: Exception, workdir: str) -> str:
+def storage_error_line(e: Exception, workdir: str, *, resume: bool = True) -> str:
     """The one-line message of a run stopped because its files could not be written (a checkpoint,
     metrics, an evaluation, data): what failed, the system's reason, and the committed checkpoint a
     rerun resumes from."""
@@ -128,7 +128,8 @@ def storage_error_line(e: Exception, workdir: str) -> str:
                 f"({type(e).__name__}: {first_line(e)[:160]})")
     step = supervisor.latest_committed_step(os.path.abspath(workdir))
     kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
-    return f"error: {what}; {kept}: free space (or fix the file system) and rerun the same command to resume"
+    return (f"error: {what}; {kept}: free space (or fix the file system) and rerun the same command"
+            + (" to resume" if resume else ""))
 
 
 def reward_error_line(e: Exception) -> str:

@@ -16,7 +16,8 @@ import jax
 def configure_logging() -> None:
     """The entry points' logging: INFO lines with time and logger name on stderr, with absl (Orbax
     logs every checkpoint step at INFO) and JAX's backend probing ("Unable to initialize backend
-    'tpu'" on every CPU or GPU host) at WARNING."""
+    'tpu'" on every CPU or GPU host) at WARNING, without Orbax's notice that a directory opened
+    read-only is read-only."""
     import logging
 
     from absl import logging as absl_logging
@@ -24,6 +25,8 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    # Orbax warns that a checkpoint directory opened read-only (evaluate, export) is read-only
+    logging.getLogger("absl").addFilter(lambda record: not record.getMessage().startswith("Given directory is read only"))
 
 
 def _jsonable(v: Any):
