@@ -346,10 +346,8 @@ class Checkpointer:
         """CheckpointWriteError if a save running in the background has failed by now (does not
         block: the train loop calls it after every step, so a failed save stops the run before more
         steps are done that no checkpoint holds)."""
-        try:
-            self._manager.check_for_errors()
-        except Exception as e:
-            raise self._write_failed(e, self._pending) from e
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self.wait()  # a finished save returns at once; a failed one raises its error here
 
     def wait(self) -> None:
         """Blocks until pending saves are committed; CheckpointWriteError if one failed."""
