@@ -233,18 +233,18 @@ class Checkpointer:
         self._keep = keep
         self._manager = None
         self._pending: int | None = None  # the step of the last save started
+        if not read_only and jax.process_index() == 0:
+            self._remove_unfinished_saves()  # of a killed run (Orbax's own option does it in a thread)
         self._open()
 
     def _open(self):
         if self._manager is not None:
             self._manager.close()
-        # cleanup_tmp_directories: the temporary directories of saves a kill interrupted are removed
         # read-only: the values Orbax would otherwise set with a warning each
         options = ocp.CheckpointManagerOptions(max_to_keep=None if self.read_only else self._keep,
                                                save_interval_steps=0 if self.read_only else 1,
                                                create=not self.read_only,
                                                read_only=self.read_only, enable_async_checkpointing=True,
-                                               cleanup_tmp_directories=not self.read_only,
                                                todelete_subdir=None if self.read_only else TODELETE)
         # The state item's handler, configured (Orbax's StandardCheckpointHandler, which `StandardSave`
         # picked before, always compresses); the same zarr3 + OCDBT layout, so earlier steps restore.
@@ -356,13 +356,18 @@ class Checkpointer:
         except Exception as e:
             raise self._write_failed(e, self._pending) from e
 
+    def _remove_unfinished_saves(self) -> None:
+        """Removes the temporary `<step>.orbax-checkpoint-tmp*` directories of saves that never
+        committed (a kill, a failed write): they hold no usable step and take space."""
+        for name in os.listdir(self.directory):
+            if ".orbax-checkpoint-tmp" in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
     def _write_failed(self, e: Exception, step: int | None) -> CheckpointWriteError:
         """The error for a save that failed, after removing the temporary directories of unfinished
         saves (what a full disk most needs back; Orbax would remove them on the next start)."""
         if not self.read_only and jax.process_index() == 0:
-            for name in os.listdir(self.directory):
-                if ".orbax-checkpoint-tmp" in name:
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            self._remove_unfinished_saves()
         failed = f"step {step}" if step is not None else "a step"
         return CheckpointWriteError(f"the checkpoint of {failed} could not be written to {self.directory}: "
                                     f"{workdir_lib.storage_reason(e) or config_lib.first_line(e)[:200]}", step)

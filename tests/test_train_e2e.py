@@ -101,6 +101,8 @@ def test_sigkill_during_checkpoint_save_then_resume(tiny_model, reference_run, t
     assert r.returncode == 0, r.stderr[-3000:]
     assert "moved aside" in r.stderr
     assert comparable(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == ref_rows
+    # the half-written step's temporary directory was removed as the rerun started
+    assert not any(".orbax-checkpoint-tmp" in c for c in os.listdir(os.path.join(workdir, "checkpoints")))
 
 
 def test_a_full_disk_stops_at_the_save_with_one_line_and_the_rerun_resumes(tiny_model, reference_run, tmp_path):
