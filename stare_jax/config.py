@@ -596,6 +596,15 @@ def check_paths(config) -> None:
             for f in (f for f in flatten(c)[key].split(",") if f):
                 if not os.path.isfile(f):
                     raise ConfigError(key, f"{f}: no such file; allowed: comma-separated JSONL/parquet paths")
+    # TFDS builds its datasets there: one that does not exist yet must be possible to make (an existing
+    # directory may be a read-only copy of built datasets)
+    if c.data.data_dir and "://" not in c.data.data_dir and not os.path.isdir(c.data.data_dir):
+        from stare_jax.workdir import unwritable_reason
+
+        reason = unwritable_reason(c.data.data_dir)
+        if reason:
+            raise ConfigError("data.data_dir", f"{c.data.data_dir}: cannot be created or written in ({reason}); "
+                                               f"allowed: a directory (created if absent), a gs:// URL or ''")
     check_cache_dir(c)
     if c.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb", "True, but the wandb package is not installed; allowed: False, or "
@@ -620,10 +629,9 @@ URL_CACHE_BACKENDS = {"gs": ("gcsfs", "tensorflow"), "s3": ("s3fs", "tensorflow"
 
 def check_cache_dir(config) -> None:
     """Raises ConfigError when the compilation cache (`compilation_cache_path`) is a local path that
-    is not a writable directory and cannot become one (it or a parent is a file), or a URL whose
+    cannot be made or written in (`workdir.unwritable_reason`), or a URL whose
     file system is not installed (gs:// without gcsfs) or unknown."""
     import importlib.util
-    import os
 
     path = compilation_cache_path(config.compilation_cache_dir)
     key = "compilation_cache_dir" if config.compilation_cache_dir else "$" + COMPILATION_CACHE_ENV
@@ -639,12 +647,12 @@ def check_cache_dir(config) -> None:
         return
     if not path:
         return
-    existing = path
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
-        raise ConfigError(key, f"{path}: {existing} is not a writable directory; allowed: a directory (created "
-                               f"if absent), a gs:// URL or ''")
+    from stare_jax.workdir import unwritable_reason
+
+    reason = unwritable_reason(path)
+    if reason:
+        raise ConfigError(key, f"{path}: cannot be created or written in ({reason}); allowed: a directory "
+                               f"(created if absent), a gs:// URL or ''")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -63,16 +63,25 @@ def check_workdir(workdir: str, *, create: bool = False, flag: str = "--workdir"
     if os.path.exists(path) and not os.path.isdir(path):
         raise WorkdirError(f"{flag}: {workdir} exists and is not a directory; allowed: a directory path "
                            f"(created if absent)")
-    if create:
-        ancestor = path
-        while not os.path.exists(ancestor):
-            ancestor = os.path.dirname(ancestor)
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=ancestor))
-        except OSError as e:
-            raise WorkdirError(f"{flag}: {workdir}: cannot be created or written in ({e.strerror or e}); allowed: "
-                               f"a directory path this process can write (created if absent)") from None
+    reason = unwritable_reason(path) if create else None
+    if reason:
+        raise WorkdirError(f"{flag}: {workdir}: cannot be created or written in ({reason}); allowed: "
+                           f"a directory path this process can write (created if absent)")
     return path
+
+
+def unwritable_reason(path: str) -> str | None:
+    """Why the directory `path` could not be made or written in (the system's message), or None:
+    a temporary directory is made and removed in it, or in its nearest existing ancestor when it is
+    absent, so nothing is left behind."""
+    ancestor = os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=ancestor))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 class WorkdirLock:

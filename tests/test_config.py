@@ -247,6 +247,24 @@ def test_missing_paths_are_config_errors(tmp_path):
         config_lib.check_paths(c)
 
 
+def test_directories_the_run_would_make_must_be_possible_to_make(tmp_path):
+    """The TFDS data directory and the compilation cache, where absent, must be possible to create
+    (a makedirs traceback mid-start before); nothing is left behind by the check, and an existing
+    data directory may be read-only (built datasets)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for key in ("data.data_dir", "compilation_cache_dir"):
+        c = config_lib.default_config()
+        sub = c.data if key.startswith("data.") else c
+        setattr(sub, key.split(".")[-1], str(afile / "d"))
+        with pytest.raises(config_lib.ConfigError, match=f"^config error: {key}: .*afile/d: cannot be created or "
+                                                         f"written in \\(Not a directory\\)"):
+            config_lib.check_paths(c)
+        setattr(sub, key.split(".")[-1], str(tmp_path / "new" / "d"))
+        config_lib.check_paths(c)
+        assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
 def test_what_the_environment_lacks_for_a_setting_is_a_config_error(monkeypatch):
     """An optional package a setting needs (wandb for logging.wandb, gcsfs or TensorFlow for a gs://
     compilation cache) is checked before the run starts: one line, not a traceback mid-run (wandb)
