@@ -599,12 +599,7 @@ def check_paths(config) -> None:
     # TFDS builds its datasets there: one that does not exist yet must be possible to make (an existing
     # directory may be a read-only copy of built datasets)
     if c.data.data_dir and "://" not in c.data.data_dir and not os.path.isdir(c.data.data_dir):
-        from stare_jax.workdir import unwritable_reason
-
-        reason = unwritable_reason(c.data.data_dir)
-        if reason:
-            raise ConfigError("data.data_dir", f"{c.data.data_dir}: cannot be created or written in ({reason}); "
-                                               f"allowed: a directory (created if absent), a gs:// URL or ''")
+        _check_makeable("data.data_dir", c.data.data_dir)
     check_cache_dir(c)
     if c.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb", "True, but the wandb package is not installed; allowed: False, or "
@@ -647,6 +642,12 @@ def check_cache_dir(config) -> None:
         return
     if not path:
         return
+    _check_makeable(key, path)
+
+
+def _check_makeable(key: str, path: str) -> None:
+    """ConfigError naming `key` when the local directory `path` cannot be made or written in
+    (`workdir.unwritable_reason`: the system's reason)."""
     from stare_jax.workdir import unwritable_reason
 
     reason = unwritable_reason(path)
