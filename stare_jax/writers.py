@@ -25,8 +25,15 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    # Orbax warns that a checkpoint directory opened read-only (evaluate, export) is read-only
-    logging.getLogger("absl").addFilter(lambda record: not record.getMessage().startswith("Given directory is read only"))
+    absl_logger = logging.getLogger("absl")
+    if _not_the_read_only_notice not in absl_logger.filters:
+        absl_logger.addFilter(_not_the_read_only_notice)
+
+
+def _not_the_read_only_notice(record) -> bool:
+    """False for Orbax's warning that a checkpoint directory opened read-only (evaluate, export) is
+    read-only."""
+    return not record.getMessage().startswith("Given directory is read only")
 
 
 def _jsonable(v: Any):
