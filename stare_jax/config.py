@@ -496,6 +496,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if c.data.arith_max_ops < c.data.arith_min_ops:
         raise ConfigError("data.arith_max_ops", f"got {c.data.arith_max_ops}; allowed: >= data.arith_min_ops "
                                                 f"({c.data.arith_min_ops})")
+    if c.data.name in ("countdown", "arith") and c.data.prompt_batch_size > c.data.num_train:
+        raise ConfigError("data.prompt_batch_size", f"got {c.data.prompt_batch_size}; allowed: at most data.num_train "
+                                                    f"({c.data.num_train}), the prompts of the training split")
     if c.data.prompt_batch_size % c.distributed.num_processes:
         raise ConfigError("data.prompt_batch_size",
                           f"got {c.data.prompt_batch_size}; allowed: a multiple of distributed.num_processes "

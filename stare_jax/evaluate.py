@@ -103,12 +103,13 @@ def main(argv=None) -> None:
     except RewardSpecError as e:  # the run's reward module, gone or broken since it trained
         print(reward_error_line(e), file=sys.stderr)
         sys.exit(2)
-    except Exception as e:  # a full or failing disk writing eval/ (or the data): one line
-        if workdir_lib.storage_reason(e) is None:
-            raise
-        from stare_jax.train import storage_error_line
+    except Exception as e:  # a full disk writing eval/ (or the data), out of memory: one line
+        from stare_jax.train import failure_line
 
-        print(storage_error_line(e, workdir, resume=False), file=sys.stderr)
+        line = failure_line(e, workdir, resume=False)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         sys.exit(1)
     print(json.dumps({"step": step, **row}))
 

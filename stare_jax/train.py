@@ -97,6 +97,9 @@ def main(argv=None) -> None:
     except RewardSpecError as e:
         print(reward_error_line(e), file=sys.stderr)
         sys.exit(2)
+    except config_lib.ConfigError as e:  # a relation known once the data are read
+        print(str(e), file=sys.stderr)
+        sys.exit(2)
     except checkpoint.IncompatibleCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -106,30 +109,40 @@ def main(argv=None) -> None:
     except DynamicSamplingError as e:
         print(f"error: {e} (the last checkpoint is intact; rerun the command to resume)", file=sys.stderr)
         sys.exit(1)
-    except Exception as e:  # a full or failing disk: one line; anything else keeps its traceback
-        if not isinstance(e, checkpoint.CheckpointWriteError) and workdir_lib.storage_reason(e) is None:
+    except Exception as e:  # a full disk, out of memory: one line; anything else keeps its traceback
+        line = failure_line(e, workdir)
+        if line is None:
             raise
-        print(storage_error_line(e, workdir), file=sys.stderr)
+        print(line, file=sys.stderr)
         sys.exit(1)
 
 
-def storage_error_line(e: Exception, workdir: str, *, resume: bool = True) -> str:
-    """The one-line message of a run stopped because its files could not be written (a checkpoint,
-    metrics, an evaluation, data): what failed, the system's reason, and the committed checkpoint a
-    rerun resumes from."""
+def failure_line(e: Exception, workdir: str, *, resume: bool = True) -> str | None:
+    """The one-line message of a run stopped by its environment rather than a bug, or None: its
+    files could not be written (a checkpoint, metrics, an evaluation, data: the system's reason) or
+    a device ran out of memory (XLA's RESOURCE_EXHAUSTED, with what to lower); each names the
+    committed checkpoint a rerun resumes from (`resume`; evaluate: False)."""
+    import jax
+
     from stare_jax import checkpoint, supervisor
     from stare_jax import workdir as workdir_lib
     from stare_jax.config import first_line
 
     if isinstance(e, checkpoint.CheckpointWriteError):
-        what = str(e)
-    else:
+        what, fix = str(e), "free space (or fix the file system)"
+    elif workdir_lib.storage_reason(e) is not None:
         what = (f"writing under {workdir} failed: {workdir_lib.storage_reason(e)} "
                 f"({type(e).__name__}: {first_line(e)[:160]})")
+        fix = "free space (or fix the file system)"
+    elif isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+        what = f"out of device memory ({first_line(e)[:200]})"
+        fix = ("lower data.prompt_batch_size, rollout.group_size or rollout.max_new_tokens, or use more devices "
+               "(python -m stare_jax.dryrun sizes a config's programs before a run)")
+    else:
+        return None
     step = supervisor.latest_committed_step(os.path.abspath(workdir))
     kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
-    return (f"error: {what}; {kept}: free space (or fix the file system) and rerun the same command"
-            + (" to resume" if resume else ""))
+    return f"error: {what}; {kept}: {fix} and rerun the same command" + (" to resume" if resume else "")
 
 
 def reward_error_line(e: Exception) -> str:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
+from stare_jax import config as config_lib
 from stare_jax import allocator, compilation, parallel
 from stare_jax.compilation import CompilationCounter
 from stare_jax import precision, preemption
@@ -437,6 +438,9 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     _barrier("tfds")
     if jax.process_index() != 0:
         train_source, eval_sources = data_sources(config, workdir)
+    if len(train_source) < config.data.prompt_batch_size:  # the files' count is known once they are read
+        raise config_lib.ConfigError("data.prompt_batch_size", f"got {config.data.prompt_batch_size}; allowed: at most "
+                                                               f"the {len(train_source)} prompts of the training split")
     data_iter = data_lib.make_prompt_iterator(
         train_source, tokenizer=tokenizer, batch_size=config.data.prompt_batch_size // jax.process_count(),
         max_prompt_len=config.data.max_prompt_len, seed=config.seed, prompt_style=prompt_style(config),

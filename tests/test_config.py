@@ -34,6 +34,7 @@ def _load(capsys, *overrides):
     ("--config.model.matmul_precision=highest", "model.matmul_precision"),  # JAX's alias, not ours
     ("--config.model.gpu_gemm=triton", "model.gpu_gemm"),   # auto | xla | cublas
     ("--config.ppo.num_minibatches=3", "ppo.num_minibatches"),  # does not divide the batch
+    ("--config.data.prompt_batch_size=100000", "data.prompt_batch_size"),  # more prompts than the split has
     ("--config.mesh.cpu_devices=-1", "mesh.cpu_devices"),
     ("--config.ppo.share_prompt=maybe", "ppo.share_prompt"),
     ("--config.loss.hapo_alpha=0", "loss.hapo_alpha"),       # issue 18: alpha <= 0

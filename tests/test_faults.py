@@ -574,7 +574,25 @@ def test_storage_failures_are_recognised_through_library_wrappers(tmp_path):
         assert reason(e) == f"Read-only file system (errno {errno.EROFS})"
     assert reason(FileNotFoundError(errno.ENOENT, "No such file or directory")) is None
     assert reason(ValueError("shapes do not match")) is None
-    line = train.storage_error_line(OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl"), str(tmp_path))
+    line = train.failure_line(OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl"), str(tmp_path))
     assert line == (f"error: writing under {tmp_path} failed: No space left on device (errno 28) (OSError: [Errno 28] "
                     f"No space left on device: '/w/metrics.jsonl'); no checkpoint was committed yet: free space (or "
                     f"fix the file system) and rerun the same command to resume")
+
+
+def test_out_of_device_memory_is_one_line_naming_what_to_lower(tmp_path):
+    """XLA's RESOURCE_EXHAUSTED (a batch too large for the devices: the quickstart with
+    data.prompt_batch_size=10000 asked for 35 GiB here) is one line with what to lower and the
+    checkpoint a rerun resumes from, not a traceback; an XLA error of another kind keeps it."""
+    import jax
+
+    from stare_jax import train
+
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 37566579736 bytes.")
+    line = train.failure_line(oom, str(tmp_path))
+    assert line.startswith("error: out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 37566579736 "
+                           "bytes.); no checkpoint was committed yet: lower data.prompt_batch_size, "), line
+    assert line.endswith("and rerun the same command to resume") and "stare_jax.dryrun" in line
+    assert train.failure_line(jax.errors.JaxRuntimeError("INTERNAL: something else"), str(tmp_path)) is None
+    assert train.failure_line(ValueError("RESOURCE_EXHAUSTED"), str(tmp_path)) is None  # only XLA's own
+    assert train.failure_line(oom, str(tmp_path), resume=False).endswith("and rerun the same command")

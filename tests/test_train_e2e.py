@@ -294,7 +294,7 @@ def test_incompatible_reward_change_is_allowed_only_for_resources(tiny_model):
     assert ckpt_lib.incompatible_keys(a, c) == ["stare.w"]
 
 
-def test_empty_and_malformed_dataset_files_name_file_and_line(tiny_model, tmp_path):
+def test_empty_malformed_and_too_small_dataset_files_are_refused(tiny_model, tmp_path):
     from stare_jax import trainer
     from stare_jax.data import DataFormatError
 
@@ -308,6 +308,13 @@ def test_empty_and_malformed_dataset_files_name_file_and_line(tiny_model, tmp_pa
                                          "data.data_dir": str(tmp_path / f"tfds_{path.stem}")})
         with pytest.raises(DataFormatError, match=pattern):
             trainer.train(config, str(tmp_path / f"run_{path.stem}"))
+    # fewer prompts than a step's batch (4 here): every batch would repeat them
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "2"}\n')
+    config = _config(model, data, **{"data.name": "math", "data.train_files": str(one), "reward.name": "math",
+                                     "data.data_dir": str(tmp_path / "tfds_one")})
+    with pytest.raises(config_lib.ConfigError, match=r"data.prompt_batch_size: got 4; allowed: at most the 1 prompts"):
+        trainer.train(config, str(tmp_path / "run_one"))
 
 
 # ----------------------------------------------------------------------------- export and evaluate
