@@ -172,6 +172,13 @@ def main(argv=None) -> int:
         work = digest_worker if args.part == "digest" else save_worker
         print(json.dumps(work(args.model, args.worker, args.repeats)))
         return 0
+    if args.json:
+        from stare_jax.workdir import unwritable_file_reason
+
+        reason = unwritable_file_reason(args.json)
+        if reason:
+            print(f"bench_checkpoint: --json: {args.json}: cannot be written ({reason})", file=sys.stderr)
+            return 2
     model = args.model
     if not model:
         from stare_jax.models import gguf

@@ -49,6 +49,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="append one JSON line per measurement to this file")
     args = p.parse_args()
+    if args.out:
+        from stare_jax.workdir import unwritable_file_reason
+
+        reason = unwritable_file_reason(args.out)
+        if reason:
+            p.error(f"--out: {args.out}: cannot be written ({reason})")
 
     import jax
     import numpy as np

@@ -514,16 +514,22 @@ def chosen_rows(names: str, by_name: dict[str, Row], study: str) -> list[Row] | 
     return [by_name[n] for n in names.split(",")]
 
 
-def study_root(path: str, study: str) -> str | None:
+def study_root(path: str, study: str, outputs: Sequence[tuple[str, str]] = ()) -> str | None:
     """The absolute study root `path`, made if absent, or None after printing one line to stderr
-    when it is empty, a file, or cannot be created or written (the caller exits 2)."""
-    from stare_jax.workdir import WorkdirError, check_workdir
+    when it is empty, a file, or cannot be created or written, or when one of `outputs` ((flag,
+    path) of files written at the end; "" for the default) cannot be written (the caller exits 2)."""
+    from stare_jax.workdir import WorkdirError, check_workdir, unwritable_file_reason
 
     try:
         root = check_workdir(path, create=True, flag="--root")
     except WorkdirError as e:
         print(f"{study}: {e}", file=sys.stderr)
         return None
+    for flag, out in outputs:
+        reason = unwritable_file_reason(out) if out else None
+        if reason:
+            print(f"{study}: {flag}: {out}: cannot be written ({reason})", file=sys.stderr)
+            return None
     os.makedirs(root, exist_ok=True)
     return root
 
@@ -589,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rows is None:
         return 2
     seeds = [int(s) for s in a.seeds.split(",") if s]
-    root = study_root(a.root, "entropy_study")
+    root = study_root(a.root, "entropy_study", (("--out", a.out), ("--table", a.table)))
     if root is None:
         return 2
     base = load_base_config(QUICKSTART)

@@ -150,6 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
             print(f"plot_metrics: {d}: no metrics.jsonl", file=sys.stderr)
             return 2
+    from stare_jax.workdir import unwritable_file_reason
+
+    reason = unwritable_file_reason(a.out)
+    if reason:
+        print(f"plot_metrics: --out: {a.out}: cannot be written ({reason})", file=sys.stderr)
+        return 2
     labels = a.labels.split(",") if a.labels else None
     out = plot_runs(a.runs, a.out, labels=labels, smooth_window=a.smooth, target_entropy=a.target_entropy,
                     title=a.title)

@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rows is None:
         return 2
     seeds = [int(s) for s in a.seeds.split(",") if s]
-    root = es.study_root(a.root, "quadrant_study")
+    root = es.study_root(a.root, "quadrant_study", (("--out", a.out), ("--table", a.table)))
     if root is None:
         return 2
     base = es.load_base_config(es.QUICKSTART_GRPO)

@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     core = ("grpo_ds", "stare")
     jobs = sorted(((r, s) for r in rows for s in seeds[r.name]),
                   key=lambda j: (j[0].name not in core, j[1], rows.index(j[0])))
-    root = es.study_root(a.root, "real_model_study")
+    root = es.study_root(a.root, "real_model_study", (("--out", a.out), ("--table", a.table)))
     if root is None:
         return 2
     base = es.load_base_config(STARE)

@@ -84,6 +84,17 @@ def unwritable_reason(path: str) -> str | None:
     return None
 
 
+def unwritable_file_reason(path: str) -> str | None:
+    """Why a file could not be written at `path`, or None: the path is empty or a directory, or its
+    directory could not be made or written in (`unwritable_reason`). For scripts that write their
+    results at the end, so that a bad path is refused before the work."""
+    if not path.strip():
+        return "empty"
+    if os.path.isdir(path):
+        return "is a directory"
+    return unwritable_reason(os.path.dirname(os.path.abspath(path)))
+
+
 class WorkdirLock:
     """An exclusive, non-blocking `flock` on WORKDIR/.lock (the holder's pid written inside)."""
 

@@ -72,6 +72,16 @@ def test_plot_metrics_missing_dir(tmp_path):
     assert plot_metrics.main([str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")]) == 2
 
 
+def test_plot_metrics_refuses_an_output_it_cannot_write(tmp_path, capsys):
+    """An --out under a file (or a directory) is one line and exit 2, not a traceback from savefig."""
+    fake_run(str(tmp_path / "a"), np.linspace(0.8, 0.05, 10))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, reason in ((afile / "m.png", "Not a directory"), (tmp_path, "is a directory")):
+        assert plot_metrics.main([str(tmp_path / "a"), "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"plot_metrics: --out: {out}: cannot be written ({reason})"
+
+
 def test_smooth():
     y = np.array([0.0, 2.0, 4.0, 6.0])
     np.testing.assert_allclose(plot_metrics.smooth(y, 2), [0.0, 1.0, 3.0, 5.0])
@@ -288,9 +298,10 @@ def test_study_refuses_bad_steps_and_seeds_before_starting(study, args, tmp_path
 
 
 @pytest.mark.parametrize("study", ["entropy_study", "quadrant_study", "real_model_study"])
-def test_study_refuses_a_root_it_cannot_use_before_starting(study, tmp_path, capsys):
+def test_study_refuses_a_root_or_output_it_cannot_use_before_starting(study, tmp_path, capsys):
     """`--root ''` once ran the study in the current directory, and a root under a file crashed in
-    makedirs; both are one line and exit 2 before anything starts."""
+    makedirs; both are one line and exit 2 before anything starts, as is a figure or table path
+    that could not be written at the study's end."""
     mod = {"entropy_study": entropy_study, "quadrant_study": quadrant_study}.get(study) or _load(study)
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -298,6 +309,10 @@ def test_study_refuses_a_root_it_cannot_use_before_starting(study, tmp_path, cap
         assert mod.main(["--root", root, "--steps", "1"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith(f"{study}: ") and needle in err, err
+    # the figure and the table are written at the end: a path that cannot take them is refused first
+    for flag, out, reason in (("--out", afile / "f.png", "Not a directory"), ("--table", tmp_path, "is a directory")):
+        assert mod.main(["--root", str(tmp_path / "r"), "--steps", "1", flag, str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"{study}: {flag}: {out}: cannot be written ({reason})"
     assert os.listdir(tmp_path) == ["afile"]
 
 
