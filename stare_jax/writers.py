@@ -16,8 +16,7 @@ import jax
 def configure_logging() -> None:
     """The entry points' logging: INFO lines with time and logger name on stderr, with absl (Orbax
     logs every checkpoint step at INFO) and JAX's backend probing ("Unable to initialize backend
-    'tpu'" on every CPU or GPU host) at WARNING, without Orbax's notice that a directory opened
-    read-only is read-only."""
+    'tpu'" on every CPU or GPU host) at WARNING, without the `KNOWN_NOTICES`."""
     import logging
 
     from absl import logging as absl_logging
@@ -25,15 +24,26 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    quiet_known_notices()
+
+
+#: absl warnings that only repeat what the system does by design: TFDS's for a builder config that is
+#: not predefined (every builder here is made from its settings), Orbax's for a checkpoint directory
+#: opened read-only (evaluate, export)
+KNOWN_NOTICES = ("Using custom data configuration", "Given directory is read only")
+
+
+def _not_a_known_notice(record) -> bool:
+    return not str(record.msg).startswith(KNOWN_NOTICES)
+
+
+def quiet_known_notices() -> None:
+    """Drops `KNOWN_NOTICES` from the absl logger (once, however often it is called)."""
+    import logging
+
     absl_logger = logging.getLogger("absl")
-    if _not_the_read_only_notice not in absl_logger.filters:
-        absl_logger.addFilter(_not_the_read_only_notice)
-
-
-def _not_the_read_only_notice(record) -> bool:
-    """False for Orbax's warning that a checkpoint directory opened read-only (evaluate, export) is
-    read-only."""
-    return not record.getMessage().startswith("Given directory is read only")
+    if _not_a_known_notice not in absl_logger.filters:
+        absl_logger.addFilter(_not_a_known_notice)
 
 
 def _jsonable(v: Any):

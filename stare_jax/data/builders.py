@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -37,21 +36,13 @@ import tensorflow_datasets as tfds
 
 from stare_jax.data.records import DataFormatError, read_records
 from stare_jax.tasks import arithmetic, countdown
+from stare_jax.writers import quiet_known_notices
 
 FILE_FORMAT = "array_record"
 _FINGERPRINT_FILE = "stare_sources.json"
 
 
-class _CustomConfigNoticeFilter(logging.Filter):
-    """Drops TFDS's warning that a builder config is not one of the builder's predefined ones
-    ("Using custom data configuration ..."): every builder here is made from its settings by design,
-    so the warning only repeated the config at each start."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Using custom data configuration")
-
-
-logging.getLogger("absl").addFilter(_CustomConfigNoticeFilter())
+quiet_known_notices()  # TFDS's "Using custom data configuration" at every start (stare_jax.writers)
 
 
 # --------------------------------------------------------------------------- countdown
