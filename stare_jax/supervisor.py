@@ -12,10 +12,13 @@ again. N bounds the restarts *in a row without progress*: a death after the atte
 newer checkpoint than the one it started from begins the count again, so a long run that loses a
 process now and then keeps going, while one that dies before its next checkpoint every time (a
 crash loop) gives up after N attempts. Everything else ends the command with the child's own
-status: success, a bad input (2), a data error (1), a stop by SIGTERM/SIGINT (143/130, after the
-child saved its checkpoint). SIGTERM and SIGINT sent to the supervising process are passed on to
-the child once each (Ctrl-C in a terminal reaches only the supervisor, so the child sees one signal per press,
-as without `--restarts`); once one has arrived, nothing is restarted. If the supervisor itself is
+status: success, a bad input (2), a data error (1), a stop by SIGTERM/SIGINT/SIGHUP (143/130/129,
+after the child saved its checkpoint). SIGTERM and SIGINT sent to the supervising process are passed
+on to the child once each (Ctrl-C in a terminal reaches only the supervisor, so the child sees one
+signal per press, as without `--restarts`); SIGHUP is passed on once however often it comes (a
+closing terminal sends it twice), and the supervisor's own output then goes to WORKDIR/hangup.log as
+the child's does; once any has arrived, nothing is restarted. A signal ignored at start (`nohup`)
+stays ignored, and the child inherits that. If the supervisor itself is
 killed, the kernel kills the child too (`PR_SET_PDEATHSIG`), so no training outlives its command.
 
 Only one process restarts: a training on several processes (`distributed.num_processes > 1`)
@@ -37,7 +40,7 @@ from stare_jax import workdir as workdir_lib
 
 FLAG = "--restarts"
 RECORD = "restarts.jsonl"
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -110,15 +113,24 @@ def supervise(child_argv: list[str], workdir: str, max_restarts: int, *, env=Non
     """Runs `child_argv` until it ends other than by a signal, restarting it after a death by signal
     (each restart recorded in WORKDIR/restarts.jsonl) at most `max_restarts` times in a row without a
     newer committed checkpoint; returns the shell status the command should exit with."""
+    from stare_jax import preemption
+
     stop: list[int] = []
     child: subprocess.Popen | None = None
+    terminal = preemption.terminal_fds()
 
     def forward(signum, frame):
+        nonlocal terminal
+        if signum == signal.SIGHUP:
+            preemption.detach_from_terminal(terminal, os.path.join(workdir, preemption.HANGUP_LOG))
+            terminal = ()
+            if signal.SIGHUP in stop:
+                return
         stop.append(signum)
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in _STOP_SIGNALS}
+    previous = {s: signal.signal(s, forward) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     try:
         restarts = in_a_row = 0
         while True:

@@ -397,8 +397,9 @@ def train(config, workdir: str) -> dict:
     """Runs (or resumes) training as configured; returns the last step's metrics.
 
     Holds WORKDIR/.lock (process 0) for its whole life: a second training in the same workdir
-    raises WorkdirError. On SIGTERM/SIGINT it finishes the current step, saves a checkpoint and
-    raises `preemption.Preempted` (see stare_jax/preemption.py).
+    raises WorkdirError. On SIGTERM/SIGINT/SIGHUP it finishes the current step, saves a checkpoint
+    and raises `preemption.Preempted` (see stare_jax/preemption.py; after a hang-up its output goes
+    to WORKDIR/hangup.log).
     """
     workdir = workdir_lib.check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -408,7 +409,7 @@ def train(config, workdir: str) -> dict:
     from stare_jax.rewards import RewardPool
 
     try:
-        with preemption.StopSignal() as stop, precision.matmul_precision(config.model.matmul_precision):
+        with preemption.StopSignal(os.path.join(workdir, preemption.HANGUP_LOG)) as stop, precision.matmul_precision(config.model.matmul_precision):
             # The verifier pool first: a reward function that cannot be loaded (RewardSpecError)
             # stops the run before the model loads or anything compiles.
             with RewardPool(config.reward.name, num_workers=config.reward.num_workers,

@@ -367,6 +367,76 @@ def test_second_sigint_exits_at_once_without_saving(tiny_model, tmp_path):
     assert not any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints")))
 
 
+# On a new session with the pty as its controlling terminal, then the training itself: closing the
+# pty's master hangs the terminal up (the kernel sends SIGHUP and later writes fail with EIO).
+_ON_A_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def test_a_closed_terminal_saves_the_step_exits_129_and_logs_to_the_workdir(tiny_model, tmp_path):
+    """A run in a terminal that closes (SIGHUP from the kernel, and a second from the shell to its
+    jobs) finishes its step, saves, writes its stop line to WORKDIR/hangup.log and exits 129; the
+    reward workers (same process group) survive the hang-up, and the resumed run ends exactly like
+    an uninterrupted one. Before, the default action killed the run and lost every step since its
+    last checkpoint."""
+    import pty
+    import select
+
+    model, data = tiny_model
+    overrides = tiny_overrides(model, data, total_steps=6, checkpoint_every=6, **SLOW)
+    ref = str(tmp_path / "ref")
+    r = run_train(ref, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    workdir = str(tmp_path / "run")
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", _ON_A_TERMINAL, *train_cmd(workdir, overrides)[1:]], cwd=ROOT,
+                            env=subprocess_env(STARE_TEST_REWARD_DELAY="0.1"), stdin=slave, stdout=slave,
+                            stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        deadline = time.time() + 300
+        while not (os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 2):
+            assert time.time() < deadline and proc.poll() is None, f"exit {proc.poll()}"
+            if select.select([master], [], [], 0.05)[0]:
+                os.read(master, 1 << 16)  # drain the terminal, as a terminal would
+        os.close(master)  # the terminal closes: the kernel hangs the session up
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGHUP)  # the shell's copy
+        assert proc.wait(timeout=300) == 129
+    finally:
+        proc.kill()
+    last = open(os.path.join(workdir, "hangup.log")).read().strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGHUP: saved a checkpoint at step "), last
+    step = int(last.split("step ")[1].split(";")[0])
+    assert 2 <= step < 6 and ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(step)
+    assert [row["step"] for row in read_jsonl(metrics)] == list(range(step))
+
+    r = run_train(workdir, overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step}" in r.stderr
+    assert comparable(read_jsonl(metrics)) == comparable(read_jsonl(os.path.join(ref, "metrics.jsonl")))
+
+
+def test_a_signal_ignored_at_start_stays_ignored(tmp_path):
+    """`nohup` ignores SIGHUP before the run starts: the run keeps it ignored (its output already
+    goes to a file) and installs handlers for the signals that are not ignored."""
+    from stare_jax import preemption
+
+    before = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with preemption.StopSignal(str(tmp_path / "hangup.log")) as stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert not (tmp_path / "hangup.log").exists()
+
+
 # ----------------------------------------------------------------------------- item 5: bad input
 
 def _one_line_exit_2(r, *needles):

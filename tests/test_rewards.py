@@ -157,6 +157,36 @@ def test_pool_close_reaps_workers():
         p.score(["1"], [""])
 
 
+_HANG_UP_THE_POOL = """
+import os, signal, time
+import multiprocessing.forkserver as forkserver
+from stare_jax.rewards import RewardPool
+with RewardPool("tests.reward_fixtures:echo_reward", num_workers=1, timeout_s=5.0) as p:
+    assert signal.SIGHUP not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # the block was lifted here
+    server = forkserver._forkserver._forkserver_pid
+    before = p.worker_pids
+    for pid in (*before, server):  # a closing terminal signals the whole foreground process group
+        os.kill(pid, signal.SIGHUP)
+    time.sleep(0.5)
+    assert open(f"/proc/{server}/stat").read().split(") ")[1][0] != "Z"  # the forkserver lives on (not a zombie)
+    print(p.score(["2.5"], [""]).scores.tolist(), p.worker_pids == before)
+"""
+
+
+def test_pool_workers_and_forkserver_outlive_a_hang_up():
+    """The workers and the forkserver share the trainer's process group, so a closing terminal's
+    SIGHUP reaches them: they keep going (the step that finishes after it scores normally)."""
+    import subprocess
+    import sys
+
+    from tests.e2e_helpers import ROOT, subprocess_env
+
+    r = subprocess.run([sys.executable, "-c", _HANG_UP_THE_POOL], cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["[2.5]", "True"]
+
+
 def test_pool_inline_and_spawn():
     inline = RewardPool(f"{FIX}:mixed_reward", num_workers=0)
     scores, stats = inline.score(["ok:1", "raise", "nan"], ["", "", ""])

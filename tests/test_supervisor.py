@@ -21,8 +21,9 @@ from tests.e2e_helpers import QUICKSTART, ROOT, comparable, run_train, subproces
 
 # A stand-in training: counts its starts in WORKDIR/starts, then behaves as the N-th entry of PLAN
 # says: "kill" (SIGKILL itself), "abort" (SIGABRT), "progress" (commit checkpoint step 10 * the start's
-# number, then SIGKILL itself), an exit status, or "term" (wait for SIGTERM, then exit 143 as the
-# trainer does after saving).
+# number, then SIGKILL itself), an exit status, "term" (wait for SIGTERM, then exit 143 as the
+# trainer does after saving) or "hup" (count the SIGHUPs it gets in WORKDIR/hups for a second, then
+# exit 129).
 CHILD = r"""
 import os, signal, sys, time
 workdir, plan = sys.argv[1], sys.argv[2].split(",")
@@ -46,6 +47,13 @@ if what == "term":
     open(os.path.join(workdir, "ready"), "w").close()
     while True:
         time.sleep(0.05)
+if what == "hup":
+    signal.signal(signal.SIGHUP, lambda *a: open(os.path.join(workdir, "hups"), "a").write("1"))
+    open(os.path.join(workdir, "ready"), "w").close()
+    while not os.path.exists(os.path.join(workdir, "hups")):
+        time.sleep(0.05)
+    time.sleep(1.0)
+    sys.exit(129)
 sys.exit(int(what))
 """
 
@@ -158,6 +166,27 @@ def test_sigterm_to_the_supervisor_reaches_the_child_once_and_nothing_is_restart
         proc.kill()
     assert (tmp_path / "starts").read_text() == "1"
     assert not (tmp_path / supervisor.RECORD).exists()
+
+
+def test_a_hang_up_reaches_the_child_once_however_often_it_comes(tmp_path):
+    """A closing terminal sends SIGHUP twice (the kernel, then the shell); the child must see one,
+    or it would take the second for an impatient repeat and exit without saving."""
+    code = ("import sys; from stare_jax import supervisor; "
+            f"sys.exit(supervisor.supervise({_child(tmp_path, 'hup,0')!r}, {str(tmp_path)!r}, 3))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env())
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 129
+    finally:
+        proc.kill()
+    assert (tmp_path / "hups").read_text() == "1"
+    assert (tmp_path / "starts").read_text() == "1"
 
 
 def test_restarts_flag_errors_exit_2_with_one_line(tmp_path):

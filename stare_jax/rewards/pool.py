@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from stare_jax import preemption
 from stare_jax.rewards.functions import load_function, resolve_spec
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker_main(conn, parent_pid: int) -> None:
     """Worker loop: receive (task id, spec, response, ground truth), send (task id, kind, value)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's business
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a closed terminal are the trainer's business
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     functions: dict[str, Any] = {}
     try:
@@ -241,7 +243,7 @@ class RewardPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         p = self._ctx.Process(target=_worker_main, args=(child_conn, os.getpid()), daemon=True,
                               name="stare-reward-worker")
-        with _main_module_hidden():
+        with _main_module_hidden(), preemption.blocked_hangup():  # the forkserver and workers inherit the block
             p.start()
         child_conn.close()
         w = _Worker(p, parent_conn)
