@@ -7,7 +7,8 @@ A bad config, a missing model or data path, a workdir that is a file or is in us
 training exit with status 2 and a one-line message before anything is compiled; so does a model
 directory that cannot be used (a damaged config.json, weights or tokenizer file, an unsupported
 architecture). SIGTERM/SIGINT
-finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md). With
+finish the current step, save a checkpoint and exit with 143/130 (docs/faults.md); so does a closed
+terminal (SIGHUP, 129), after which the run's output goes to WORKDIR/hangup.log. With
 `--restarts N` a training process killed by a signal (an XLA abort, the OOM killer) is started
 again from its newest checkpoint, at most N times in a row without a new checkpoint, each restart
 recorded in WORKDIR/restarts.jsonl
