@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 ITEMS = workdir_lib.CHECKPOINT_ITEMS
 FAULT_KILL_DURING_SAVE = "STARE_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL right after save(step) starts
 FAULT_DISK_FULL_FROM_SAVE = "STARE_FAULT_DISK_FULL_FROM_SAVE"  # test hook: no free space from save(step) on
+# test hook "STEP:PROCESS": that process's files are limited to 1 KiB from save(STEP) on, so its part of
+# the checkpoint fails in Orbax's writer threads (EFBIG) while the other processes' parts succeed
+FAULT_WRITE_FAILS_FROM_SAVE = "STARE_FAULT_WRITE_FAILS_FROM_SAVE"
+WAIT_POLL_S = 0.05  # how often processes agree on a pending save's state while one waits for it
 # Old steps are deleted by an atomic rename into this folder, which is then emptied: a kill during
 # the deletion leaves a half-deleted tree there (removed on the next start), never a half-deleted
 # `<step>/` that Orbax would list as a step.
@@ -95,11 +99,16 @@ class CheckpointUnusableError(RuntimeError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (a full disk, a quota, a read-only or failing file system);
-    `step` is the step whose save failed. The committed steps before it are untouched."""
+    `step` is the step whose save failed. The committed steps before it are untouched.
 
-    def __init__(self, message: str, step: int | None):
+    `abandoned`: the save failed on some process of several, whose Orbax threads still wait at a
+    barrier the failed process never reaches (until Orbax's 10-minute timeout): the process must
+    end with `os._exit`, which does not join them (`train` does)."""
+
+    def __init__(self, message: str, step: int | None, *, abandoned: bool = False):
         super().__init__(message)
         self.step = step
+        self.abandoned = abandoned
 
 
 # ----------------------------------------------------------------------------- content digest
@@ -232,7 +241,8 @@ class Checkpointer:
             os.makedirs(self.directory, exist_ok=True)
         self._keep = keep
         self._manager = None
-        self._pending: int | None = None  # the step of the last save started
+        self._pending: int | None = None  # the step of the last save started, until it is known done
+        self.abandoned = False  # a save failed on one of several processes (see CheckpointWriteError)
         if not read_only and jax.process_index() == 0:
             self._remove_unfinished_saves()  # of a killed run (Orbax's own option does it in a thread)
         self._open()
@@ -252,6 +262,9 @@ class Checkpointer:
                                                          use_compression=self.compression),
                     "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._taken_error: BaseException | None = None
+        if not self.read_only:
+            self._record_background_errors()
         self.purge_deleted()
 
     def purge_deleted(self) -> None:
@@ -291,6 +304,10 @@ class Checkpointer:
         self._check_space(step, state)
         digest = {p: sums for p, (sums, _) in state_digest(state).items()}
         meta = {**meta, "digest": {"algorithm": DIGEST_ALGORITHM, "leaves": digest}}
+        self._taken_error = None
+        if os.environ.get(FAULT_WRITE_FAILS_FROM_SAVE) == f"{step}:{jax.process_index()}":
+            import resource
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, resource.RLIM_INFINITY))
         try:
             saved = self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
@@ -345,16 +362,80 @@ class Checkpointer:
     def check(self) -> None:
         """CheckpointWriteError if a save running in the background has failed by now (does not
         block: the train loop calls it after every step, so a failed save stops the run before more
-        steps are done that no checkpoint holds)."""
-        if self._pending is not None and not self._manager.is_saving_in_progress():
+        steps are done that no checkpoint holds). On several processes every process raises at the
+        same step when any one's part of the save failed (agreed over processes while a save is
+        pending: one small host gather a step then, none otherwise)."""
+        if self._pending is None:
+            return
+        failed, busy = self._agree_on_pending()
+        if failed or not busy:
             self.wait()  # a finished save returns at once; a failed one raises its error here
 
-    def wait(self) -> None:
-        """Blocks until pending saves are committed; CheckpointWriteError if one failed."""
+    def wait(self, *, agree: bool = True) -> None:
+        """Blocks until pending saves are committed; CheckpointWriteError if one failed. On several
+        processes with `agree` (every process calls it at the same point, as the train loop does):
+        if any process's part failed, on every process, without waiting for Orbax's barrier timeout."""
+        if agree and self._pending is not None and jax.process_count() > 1:
+            while True:
+                failed, busy = self._agree_on_pending()
+                if failed:
+                    raise self._failed_elsewhere(failed)
+                if not busy:
+                    break
+                time.sleep(WAIT_POLL_S)
         try:
             self._manager.wait_until_finished()
         except Exception as e:
             raise self._write_failed(e, self._pending) from e
+        self._pending = None
+
+    def _background_error(self) -> BaseException | None:
+        """The exception of this process's failed background write, as soon as Orbax's writer thread
+        has stored it: read without clearing it (Orbax's finalize must still see it, or it would go
+        on to retire old steps after a failed save), or as recorded when the finalize thread took it
+        (on several processes that thread then waits at a barrier and reports nothing)."""
+        async_manager = getattr(getattr(self._manager, "_checkpointer", None), "_async_manager", None)
+        return self._taken_error or getattr(async_manager, "_exception", None)
+
+    def _record_background_errors(self) -> None:
+        """Wraps the manager's `check_for_errors` (where Orbax's finalize thread takes, and clears,
+        its writer thread's exception) to keep a copy for `_background_error`."""
+        async_manager = getattr(getattr(self._manager, "_checkpointer", None), "_async_manager", None)
+        check = getattr(async_manager, "check_for_errors", None)
+        if check is None:
+            return
+
+        def recording_check():
+            try:
+                check()
+            except BaseException as e:
+                self._taken_error = e
+                raise
+
+        async_manager.check_for_errors = recording_check
+
+    def _agree_on_pending(self) -> tuple[int, bool]:
+        """(1 + the index of the first process whose part of the pending save failed, or 0; whether
+        a save is still in progress on any process), the same on every process."""
+        from stare_jax import parallel
+
+        mine = np.asarray([[self._background_error() is not None, self._manager.is_saving_in_progress()]], np.int32)
+        every = parallel.gather_hosts(mine)
+        failed = [i for i in range(len(every)) if every[i, 0]]
+        return (failed[0] + 1 if failed else 0), bool(every[:, 1].any())
+
+    def _failed_elsewhere(self, failed: int) -> CheckpointWriteError:
+        """The error every process raises when process `failed - 1`'s part of the pending save failed
+        on several processes: that process names the system's reason, the others the process."""
+        step, self.abandoned = self._pending, True
+        error = self._background_error()
+        if error is not None:
+            e = self._write_failed(error, step)
+            return CheckpointWriteError(f"{e} (on process {jax.process_index()} of {jax.process_count()})", step,
+                                        abandoned=True)
+        return CheckpointWriteError(f"the checkpoint of step {step} could not be written to {self.directory}: "
+                                    f"process {failed - 1}'s part failed (its own error line gives the reason)",
+                                    step, abandoned=True)
 
     def _remove_unfinished_saves(self) -> None:
         """Removes the temporary `<step>.orbax-checkpoint-tmp*` directories of saves that never
@@ -459,9 +540,13 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager (its threads end even when a save
-        failed: CheckpointWriteError is raised after)."""
+        failed: CheckpointWriteError is raised after). After a save that failed on one of several
+        processes it does nothing: Orbax's threads wait at a barrier the failed process never
+        reaches, and the process ends with `os._exit` (`CheckpointWriteError.abandoned`)."""
+        if self.abandoned:
+            return
         try:
-            self.wait()
+            self.wait(agree=False)  # also reached on one process alone, by an error of its own
         finally:
             try:
                 self._manager.close()

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from stare_jax import config as config_lib
+
+ABANDON_GRACE_S = 3.0  # process 0 outlives the others by this much when it abandons a failed save
 
 
 def parse_workdir(argv) -> str:
@@ -115,7 +118,22 @@ def main(argv=None) -> None:
         if line is None:
             raise
         print(line, file=sys.stderr)
+        if getattr(e, "abandoned", False):
+            exit_leaving_threads(1)
         sys.exit(1)
+
+
+def exit_leaving_threads(status: int) -> None:
+    """Ends the process without joining Orbax's threads, which wait at a barrier a failed process
+    never reaches (`CheckpointWriteError.abandoned`). Process 0 hosts JAX's coordination service,
+    whose end makes the other processes' agents abort: it leaves a moment after them."""
+    import jax
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if jax.process_index() == 0 and jax.process_count() > 1:
+        time.sleep(ABANDON_GRACE_S)
+    os._exit(status)
 
 
 def failure_line(e: Exception, workdir: str, *, resume: bool = True) -> str | None:

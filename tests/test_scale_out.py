@@ -63,6 +63,46 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tiny_model, tmp_
         assert trainer.load_trained_policy(multi)[2] == 3
 
 
+def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny_model, tmp_path):
+    """On two processes, process 1's part of the step-4 checkpoint fails in Orbax's writer threads
+    (its files limited to 1 KiB: EFBIG) while process 0's succeeds. Orbax's two threads then wait
+    at different barriers until its 10-minute timeout (the run hung that long, then aborted); now
+    the processes agree on the failure after the next step and both stop with one line each
+    (process 1 names the system's reason, process 0 the process), well within that timeout, and
+    the checkpoint of step 2 stays committed."""
+    import time
+
+    from stare_jax import checkpoint as ckpt_lib
+
+    model, data = tiny_model
+    workdir, port = str(tmp_path / "run"), _free_port()
+    procs, t0 = [], time.time()
+    for pid in range(2):
+        o = dict(tiny_overrides(model, data, total_steps=8, checkpoint_every=2, **{"mesh.data": 2, "mesh.fsdp": 2}),
+                 **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
+                    "distributed.process_id": pid})
+        env = subprocess_env(2, **{ckpt_lib.FAULT_WRITE_FAILS_FROM_SAVE: "4:1"})
+        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    try:
+        errs = [p.communicate(timeout=400)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errs]
+    assert time.time() - t0 < 300
+    last = [e.strip().splitlines()[-1] for e in errs]
+    intact = "; the checkpoint of step 2 is intact: free space (or fix the file system) and rerun the same command to resume"
+    assert last[0] == (f"error: the checkpoint of step 4 could not be written to {workdir}/checkpoints: process 1's part "
+                       f"failed (its own error line gives the reason){intact}"), last[0]
+    assert last[1] == (f"error: the checkpoint of step 4 could not be written to {workdir}/checkpoints: File too large "
+                       f"(errno 27) (on process 1 of 2){intact}"), last[1]
+    assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(2)
+    assert not ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(4)
+    steps = [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+    assert steps == list(range(len(steps))) and 4 <= len(steps) < 8
+
+
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
     model, data = tiny_model
     saved = str(tmp_path / "fsdp4")
