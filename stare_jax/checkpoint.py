@@ -45,6 +45,7 @@ FAULT_DISK_FULL_FROM_SAVE = "STARE_FAULT_DISK_FULL_FROM_SAVE"  # test hook: no f
 # the checkpoint fails in Orbax's writer threads (EFBIG) while the other processes' parts succeed
 FAULT_WRITE_FAILS_FROM_SAVE = "STARE_FAULT_WRITE_FAILS_FROM_SAVE"
 WAIT_POLL_S = 0.05  # how often processes agree on a pending save's state while one waits for it
+ORBAX_ERRORS_LOG = "checkpoint_errors.log"  # in the workdir: Orbax's error records of failed saves
 # Old steps are deleted by an atomic rename into this folder, which is then emptied: a kill during
 # the deletion leaves a half-deleted tree there (removed on the next start), never a half-deleted
 # `<step>/` that Orbax would list as a step.
@@ -109,6 +110,29 @@ class CheckpointWriteError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.abandoned = abandoned
+
+
+class _OrbaxErrorsToFile(logging.Filter):
+    """Diverts Orbax's ERROR records from stderr to a file (`path`, WORKDIR/checkpoint_errors.log):
+    a save that fails in the background logs each writer thread's traceback (~300 lines for one
+    failed write) before the run reports the failure in one line that names this file. A record
+    that cannot be written there (the disk that failed) is dropped."""
+
+    path: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.path is None or record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        try:
+            with open(self.path, "a") as f:
+                f.write(logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(message)s").format(record)
+                        + "\n")
+        except OSError:
+            pass
+        return False
+
+
+_ORBAX_ERRORS = _OrbaxErrorsToFile()
 
 
 # ----------------------------------------------------------------------------- content digest
@@ -243,6 +267,7 @@ class Checkpointer:
         self._manager = None
         self._pending: int | None = None  # the step of the last save started, until it is known done
         self.abandoned = False  # a save failed on one of several processes (see CheckpointWriteError)
+        self._errors_logged = 0  # the size of WORKDIR/checkpoint_errors.log when the last save started
         if not read_only and jax.process_index() == 0:
             self._remove_unfinished_saves()  # of a killed run (Orbax's own option does it in a thread)
         self._open()
@@ -265,6 +290,8 @@ class Checkpointer:
         self._taken_error: BaseException | None = None
         if not self.read_only:
             self._record_background_errors()
+            _ORBAX_ERRORS.path = os.path.join(os.path.dirname(self.directory), ORBAX_ERRORS_LOG)
+            logging.getLogger("absl").addFilter(_ORBAX_ERRORS)
         self.purge_deleted()
 
     def purge_deleted(self) -> None:
@@ -305,6 +332,8 @@ class Checkpointer:
         digest = {p: sums for p, (sums, _) in state_digest(state).items()}
         meta = {**meta, "digest": {"algorithm": DIGEST_ALGORITHM, "leaves": digest}}
         self._taken_error = None
+        log_path = _ORBAX_ERRORS.path
+        self._errors_logged = os.path.getsize(log_path) if log_path and os.path.exists(log_path) else 0
         if os.environ.get(FAULT_WRITE_FAILS_FROM_SAVE) == f"{step}:{jax.process_index()}":
             import resource
             resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, resource.RLIM_INFINITY))
@@ -450,8 +479,11 @@ class Checkpointer:
         if not self.read_only and jax.process_index() == 0:
             self._remove_unfinished_saves()
         failed = f"step {step}" if step is not None else "a step"
+        details = ""
+        if _ORBAX_ERRORS.path and os.path.exists(_ORBAX_ERRORS.path) and os.path.getsize(_ORBAX_ERRORS.path) > self._errors_logged:
+            details = f" (Orbax's log of it: {_ORBAX_ERRORS.path})"
         return CheckpointWriteError(f"the checkpoint of {failed} could not be written to {self.directory}: "
-                                    f"{workdir_lib.storage_reason(e) or config_lib.first_line(e)[:200]}", step)
+                                    f"{workdir_lib.storage_reason(e) or config_lib.first_line(e)[:200]}{details}", step)
 
     def read_meta(self, step: int) -> dict:
         """The JSON metadata of `step` (config, step, versions)."""

@@ -96,7 +96,7 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     assert last[0] == (f"error: the checkpoint of step 4 could not be written to {workdir}/checkpoints: process 1's part "
                        f"failed (its own error line gives the reason){intact}"), last[0]
     assert last[1] == (f"error: the checkpoint of step 4 could not be written to {workdir}/checkpoints: File too large "
-                       f"(errno 27) (on process 1 of 2){intact}"), last[1]
+                       f"(errno 27) (Orbax's log of it: {workdir}/checkpoint_errors.log) (on process 1 of 2){intact}"), last[1]
     assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(2)
     assert not ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(4)
     steps = [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]

@@ -152,15 +152,19 @@ ckpt.close()
 
 def test_a_save_that_fails_in_the_background_is_one_error_naming_the_step_and_reason(tmp_path):
     """A write that fails inside Orbax's writer threads (here: a file size limit, EFBIG) surfaces at
-    the next non-blocking `check()` as CheckpointWriteError naming the step and the system's reason;
-    the failed step's temporary directory is removed and the committed step stays."""
+    the next non-blocking `check()` as CheckpointWriteError naming the step, the system's reason and
+    the file that holds Orbax's error records of it; the failed step's temporary directory is
+    removed and the committed step stays."""
     r = subprocess.run([sys.executable, "-c", _FAILED_WRITE, str(tmp_path)], cwd=ROOT, env=subprocess_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     where, step, message = r.stdout.strip().split("|")
+    log = tmp_path / "checkpoint_errors.log"
     assert where == "check" and step == "2" and message == (f"the checkpoint of step 2 could not be written to {tmp_path}/checkpoints: "
-                                       f"File too large (errno {errno.EFBIG})"), r.stdout
+                                       f"File too large (errno {errno.EFBIG}) (Orbax's log of it: {log})"), r.stdout
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    # Orbax's tracebacks of the failed writer threads (~300 lines) went to the log, not to stderr
+    assert "Traceback" not in r.stderr and "File too large" in log.read_text(), r.stderr[-3000:]
 
 
 def test_resume_with_incompatible_config_is_refused(reference_run, tiny_model):
