@@ -6,8 +6,9 @@ SIGHUP). A second SIGTERM or SIGINT exits at once (same status, nothing saved be
 committed). A hang-up arrives twice when a terminal closes (from the kernel, and from the shell to
 its jobs), so a repeated SIGHUP changes nothing; and since the terminal is gone, whatever this
 process would write to it afterwards (the stop line included) goes to a log file instead
-(`detach_from_terminal`; the trainer's is WORKDIR/hangup.log). A signal that was ignored when the
-process started (`nohup`, a background job's SIGINT) stays ignored.
+(`detach_from_terminal`; the trainer's is WORKDIR/hangup.log). A SIGHUP ignored when the process
+started (`nohup`) stays ignored. SIGINT and SIGTERM are handled even when inherited as ignored (a
+background job's SIGINT, a pytest-xdist worker's children): `kill -INT` still stops the run.
 
 Multi-host: every process must stop after the same step, or the checkpoint save (a collective)
 would hang. `StopSignal.agreed(step)` is called by every process after every step; it combines
@@ -63,8 +64,8 @@ class Interrupted(Exception):
 
 
 class StopSignal:
-    """Installs the SIGTERM/SIGINT/SIGHUP handlers (main thread only; not for a signal ignored at
-    entry) for the duration of a `with` block.
+    """Installs the SIGTERM/SIGINT/SIGHUP handlers (main thread only; SIGHUP not under `nohup`) for
+    the duration of a `with` block.
 
     Until `defer()` (called when the train loop starts) a signal raises `Interrupted` at once: the
     set-up has nothing to save, and a warm start or a model conversion may take minutes. After it,
@@ -86,7 +87,7 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():
             self._terminal_fds = terminal_fds()
             for s in SIGNALS:
-                if signal.getsignal(s) != signal.SIG_IGN:
+                if not nohup(s):
                     self._previous[s] = signal.signal(s, self._handle)
         return self
 
@@ -128,6 +129,11 @@ class StopSignal:
         except RuntimeError:  # the preemption service is off: our own flags still agree
             pass
         return int(np.max(parallel.gather_hosts(np.asarray([mine], np.int32)))) or None
+
+
+def nohup(signum: int) -> bool:
+    """Whether `signum` is SIGHUP and ignored (`nohup`, inherited): then it stays ignored."""
+    return signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN
 
 
 def terminal_fds() -> tuple[int, ...]:

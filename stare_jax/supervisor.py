@@ -17,7 +17,7 @@ after the child saved its checkpoint). SIGTERM and SIGINT sent to the supervisin
 on to the child once each (Ctrl-C in a terminal reaches only the supervisor, so the child sees one
 signal per press, as without `--restarts`); SIGHUP is passed on once however often it comes (a
 closing terminal sends it twice), and the supervisor's own output then goes to WORKDIR/hangup.log as
-the child's does; once any has arrived, nothing is restarted. A signal ignored at start (`nohup`)
+the child's does; once any has arrived, nothing is restarted. A SIGHUP ignored at start (`nohup`)
 stays ignored, and the child inherits that. If the supervisor itself is
 killed, the kernel kills the child too (`PR_SET_PDEATHSIG`), so no training outlives its command.
 
@@ -130,7 +130,7 @@ def supervise(child_argv: list[str], workdir: str, max_restarts: int, *, env=Non
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+    previous = {s: signal.signal(s, forward) for s in _STOP_SIGNALS if not preemption.nohup(s)}
     try:
         restarts = in_a_row = 0
         while True:

@@ -367,10 +367,11 @@ def test_second_sigint_exits_at_once_without_saving(tiny_model, tmp_path):
     assert not any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints")))
 
 
-# On a new session with the pty as its controlling terminal, then the training itself: closing the
-# pty's master hangs the terminal up (the kernel sends SIGHUP and later writes fail with EIO).
-_ON_A_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+# On a new session with the pty as its controlling terminal and SIGHUP's default action (as a
+# terminal's shell starts a command, even if the suite runs under nohup), then the training itself:
+# closing the pty's master hangs the terminal up (the kernel sends SIGHUP, later writes fail with EIO).
+_ON_A_TERMINAL = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                  "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 def test_a_closed_terminal_saves_the_step_exits_129_and_logs_to_the_workdir(tiny_model, tmp_path):
@@ -419,16 +420,19 @@ def test_a_closed_terminal_saves_the_step_exits_129_and_logs_to_the_workdir(tiny
     assert comparable(read_jsonl(metrics)) == comparable(read_jsonl(os.path.join(ref, "metrics.jsonl")))
 
 
-def test_a_signal_ignored_at_start_stays_ignored(tmp_path):
+def test_nohup_stays_and_an_inherited_sigint_ignore_does_not(tmp_path):
     """`nohup` ignores SIGHUP before the run starts: the run keeps it ignored (its output already
-    goes to a file) and installs handlers for the signals that are not ignored."""
+    goes to a file). SIGINT inherited as ignored (a background job, a pytest-xdist worker's child)
+    is handled all the same, so `kill -INT` still stops the run with a checkpoint."""
     from stare_jax import preemption
 
     before = {s: signal.getsignal(s) for s in preemption.SIGNALS}
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with preemption.StopSignal(str(tmp_path / "hangup.log")) as stop:
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGINT) == stop._handle
             assert signal.getsignal(signal.SIGTERM) == stop._handle
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:

@@ -158,8 +158,9 @@ def test_an_exit_with_a_status_is_never_restarted(tmp_path, status):
 ], ids=["sigterm", "sighup_twice"])
 def test_a_stop_signal_to_the_supervisor_reaches_the_child_once_and_nothing_is_restarted(tmp_path, plan, signals,
                                                                                           status):
-    """Run as the command line would (`python -m stare_jax.train` is replaced by the stand-in)."""
-    code = ("import sys; from stare_jax import supervisor; "
+    """Run as the command line would (`python -m stare_jax.train` is replaced by the stand-in), with
+    SIGHUP's default action as a terminal's shell gives it (the suite may run under nohup)."""
+    code = ("import signal, sys; from stare_jax import supervisor; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
             f"sys.exit(supervisor.supervise({_child(tmp_path, plan)!r}, {str(tmp_path)!r}, 3))")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env())
     try:
