@@ -129,8 +129,11 @@ def exit_leaving_threads(status: int) -> None:
     whose end makes the other processes' agents abort: it leaves a moment after them."""
     import jax
 
+    from stare_jax import preemption
+
     sys.stdout.flush()
     sys.stderr.flush()
+    preemption.remove_multiprocessing_tempdir()  # an exit finalizer's job, which os._exit skips
     if jax.process_index() == 0 and jax.process_count() > 1:
         time.sleep(ABANDON_GRACE_S)
     os._exit(status)

@@ -76,12 +76,13 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
 
     model, data = tiny_model
     workdir, port = str(tmp_path / "run"), _free_port()
+    os.makedirs(tmp_path / "tmp")
     procs, t0 = [], time.time()
     for pid in range(2):
         o = dict(tiny_overrides(model, data, total_steps=8, checkpoint_every=2, **{"mesh.data": 2, "mesh.fsdp": 2}),
                  **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
                     "distributed.process_id": pid})
-        env = subprocess_env(2, **{ckpt_lib.FAULT_WRITE_FAILS_FROM_SAVE: "4:1"})
+        env = subprocess_env(2, **{ckpt_lib.FAULT_WRITE_FAILS_FROM_SAVE: "4:1"}, TMPDIR=str(tmp_path / "tmp"))
         procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=env, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
@@ -101,6 +102,8 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     assert not ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(4)
     steps = [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
     assert steps == list(range(len(steps))) and 4 <= len(steps) < 8
+    # the immediate exit skips multiprocessing's finalizer: its /tmp/pymp-* directory is removed anyway
+    assert os.listdir(tmp_path / "tmp") == []
 
 
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
