@@ -397,8 +397,10 @@ class Checkpointer:
         if self._pending is None:
             return
         failed, busy = self._agree_on_pending()
-        if failed or not busy:
-            self.wait()  # a finished save returns at once; a failed one raises its error here
+        if failed and jax.process_count() > 1:
+            raise self._failed_elsewhere(failed)
+        if failed or not busy:  # agreed already: no second gather in wait
+            self.wait(agree=False)  # a finished save returns at once; a failed one raises its error here
 
     def wait(self, *, agree: bool = True) -> None:
         """Blocks until pending saves are committed; CheckpointWriteError if one failed. On several
@@ -418,18 +420,22 @@ class Checkpointer:
             raise self._write_failed(e, self._pending) from e
         self._pending = None
 
+    def _async_manager(self):
+        """Orbax's asynchronous-save manager behind this CheckpointManager (private attributes of
+        orbax-checkpoint, pinned in pyproject.toml), or None where a version lays it out otherwise."""
+        return getattr(getattr(self._manager, "_checkpointer", None), "_async_manager", None)
+
     def _background_error(self) -> BaseException | None:
         """The exception of this process's failed background write, as soon as Orbax's writer thread
         has stored it: read without clearing it (Orbax's finalize must still see it, or it would go
         on to retire old steps after a failed save), or as recorded when the finalize thread took it
         (on several processes that thread then waits at a barrier and reports nothing)."""
-        async_manager = getattr(getattr(self._manager, "_checkpointer", None), "_async_manager", None)
-        return self._taken_error or getattr(async_manager, "_exception", None)
+        return self._taken_error or getattr(self._async_manager(), "_exception", None)
 
     def _record_background_errors(self) -> None:
         """Wraps the manager's `check_for_errors` (where Orbax's finalize thread takes, and clears,
         its writer thread's exception) to keep a copy for `_background_error`."""
-        async_manager = getattr(getattr(self._manager, "_checkpointer", None), "_async_manager", None)
+        async_manager = self._async_manager()
         check = getattr(async_manager, "check_for_errors", None)
         if check is None:
             return
