@@ -180,65 +180,72 @@ def main() -> None:
     with open(args.batch_cache, "rb") as f:
         batch = pickle.load(f)
 
-    peaks: dict[str, float] = {}  # XLA's matmul peak on this device in each setting's dtype (the MFU's denominator)
+    peaks: dict[tuple[str, str], float] = {}  # XLA's matmul peak on this device in each setting's dtype and
+    # matmul precision (the MFU's denominator)
     for i, (setting, config) in enumerate(zip(settings, configs)):
-        dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
-        if dtype not in peaks:  # as bench_step.py measures it
-            peaks[dtype] = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, dtype), common.accelerator_sizes())
-        peak = peaks[dtype]
-        hlo_glob = os.path.join(args.profile, "hlo", "*update*after_optimizations.txt")
-        earlier = set(glob.glob(hlo_glob)) if args.profile else set()  # the programs of the settings before this one
-        policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
-        state = create_train_state(policy.model, config, mesh=mesh)
-        update = make_update_step(config, mesh, state)
-        arranged, packing = update.arrange(dict(batch))
-        sharded = parallel.shard_batch(arranged, mesh)
-        times, kernel_s, faults, trace = [], [], [], os.path.join(args.profile, str(i)) if args.profile else ""
-        for r in range(args.reps):
-            if trace and r == args.reps - 1:
-                jax.profiler.start_trace(trace)
-            u0, t0 = common.rusage(), time.perf_counter()
-            with precision.matmul_precision(config.model.matmul_precision):  # compiles at the setting's precision
+        # every program of the setting at its `model.matmul_precision`, as the trainer runs them: the
+        # peak, and the update, whose kernel options on a GPU (`model.gpu_gemm`: cuBLAS for full float32)
+        # are chosen when it is built (with only the call inside, a full-float32 update was built for
+        # XLA's autotuned Triton GEMMs: the likely reason an H200 profile job at full float32 printed
+        # nothing within 150 s)
+        with precision.matmul_precision(config.model.matmul_precision):
+            dtype = "bfloat16" if config.model.dtype == "bfloat16" else "float32"
+            key = (dtype, config.model.matmul_precision)
+            if key not in peaks:  # as bench_step.py's worker measures it: at the setting's precision
+                peaks[key] = common.matmul_peak_gflops(lambda n: common.jax_matmul(n, dtype), common.accelerator_sizes())
+            peak = peaks[key]
+            hlo_glob = os.path.join(args.profile, "hlo", "*update*after_optimizations.txt")
+            earlier = set(glob.glob(hlo_glob)) if args.profile else set()  # the programs of the settings before this one
+            policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
+            state = create_train_state(policy.model, config, mesh=mesh)
+            update = make_update_step(config, mesh, state)
+            arranged, packing = update.arrange(dict(batch))
+            sharded = parallel.shard_batch(arranged, mesh)
+            times, kernel_s, faults, trace = [], [], [], os.path.join(args.profile, str(i)) if args.profile else ""
+            for r in range(args.reps):
+                if trace and r == args.reps - 1:
+                    jax.profiler.start_trace(trace)
+                u0, t0 = common.rusage(), time.perf_counter()
                 state, out = update(state, sharded, jax.random.key(1), packing=packing)
-            jax.block_until_ready(out)
-            times.append(round(time.perf_counter() - t0, 4))
-            used = common.usage_since(u0)
-            kernel_s.append(round(used["sys_s"], 2))
-            faults.append(used["minor_faults"])
-            if trace and r == args.reps - 1:
-                jax.profiler.stop_trace()
-        leaves = state_digest(nnx.state(state))  # the updated state, leaf by leaf
-        model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
-        result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
-                  "model_tflop": round(model_flops / 1e12, 4), "matmul_peak_gflops": peak,
-                  "mfu": float(f"{model_flops / min(times) / (peak * 1e9):.3g}"),  # 3 significant digits: a
-                  # smoke update's (compilation included) is ~1e-4, which 3 decimals made 0.0
-                  "response_tokens": int(batch["response_mask"].sum()),
-                  "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
-                  "vocab_keep_logits_mb": config.model.vocab_keep_logits_mb,
-                  "loss": float(out["loss"]), "state_digest": state_fingerprint(leaves),
-                  # the policy is the behaviour policy at this update, so ~0 unless the update's
-                  # forward disagrees with the sampler's (0.81 under the faulty Eigen matmuls)
-                  "approx_kl": float(out["approx_kl"]),
-                  "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
-                  "devices": jax.device_count(), "malloc": allocator.name()}
-        if trace:
-            events = profile_ops.trace_events(trace)
-            # this setting's optimised update programs only: instruction names repeat across modules
-            # (the peak's, and each earlier setting's update)
-            files = sorted(set(glob.glob(hlo_glob)) - earlier)
-            texts = [open(f).read() for f in files]
-            result["profiled_programs"] = [os.path.basename(f) for f in files]
-            result["trace_events"] = len(events)
-            summary = profile_ops.summarize_events(events, texts, jax.device_count(), top=30)
-            executed = summary.pop("executed_matmul_flops_per_device") * jax.device_count()
-            result.update(summary)
-            result["matmuls"] = matmul_accounting(executed, result["matmul_s"], model_flops, times[-1], peak,
-                                                  jax.device_count())
-        if args.digest_out:
-            write_digest(args.digest_out, setting, leaves, out)
-        print(json.dumps(result), flush=True)
-        del state, update, policy
+                jax.block_until_ready(out)
+                times.append(round(time.perf_counter() - t0, 4))
+                used = common.usage_since(u0)
+                kernel_s.append(round(used["sys_s"], 2))
+                faults.append(used["minor_faults"])
+                if trace and r == args.reps - 1:
+                    jax.profiler.stop_trace()
+            leaves = state_digest(nnx.state(state))  # the updated state, leaf by leaf
+            model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
+            result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
+                      "model_tflop": round(model_flops / 1e12, 4), "matmul_peak_gflops": peak,
+                      "mfu": float(f"{model_flops / min(times) / (peak * 1e9):.3g}"),  # 3 significant digits: a
+                      # smoke update's (compilation included) is ~1e-4, which 3 decimals made 0.0
+                      "response_tokens": int(batch["response_mask"].sum()),
+                      "packed_capacity": getattr(packing, "capacity", None), "vocab_chunk": config.model.vocab_chunk,
+                      "vocab_keep_logits_mb": config.model.vocab_keep_logits_mb,
+                      "loss": float(out["loss"]), "state_digest": state_fingerprint(leaves),
+                      # the policy is the behaviour policy at this update, so ~0 unless the update's
+                      # forward disagrees with the sampler's (0.81 under the faulty Eigen matmuls)
+                      "approx_kl": float(out["approx_kl"]),
+                      "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
+                      "devices": jax.device_count(), "malloc": allocator.name()}
+            if trace:
+                events = profile_ops.trace_events(trace)
+                # this setting's optimised update programs only: instruction names repeat across modules
+                # (the peak's, and each earlier setting's update)
+                files = sorted(set(glob.glob(hlo_glob)) - earlier)
+                texts = [open(f).read() for f in files]
+                result["profiled_programs"] = [os.path.basename(f) for f in files]
+                result["trace_events"] = len(events)
+                summary = profile_ops.summarize_events(events, texts, jax.device_count(), top=30)
+                executed = summary.pop("executed_matmul_flops_per_device") * jax.device_count()
+                result.update(summary)
+                result["matmuls"] = matmul_accounting(executed, result["matmul_s"], model_flops, times[-1], peak,
+                                                      jax.device_count())
+            if args.digest_out:
+                write_digest(args.digest_out, setting, leaves, out)
+            print(json.dumps(result), flush=True)
+            del state, update, policy
 
 
 def state_fingerprint(leaves: dict) -> str:

@@ -806,3 +806,34 @@ def test_rollout_benchmarks_refuse_bad_input_with_exit_2(script, args, msg):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], cwd=ROOT,
                        env=subprocess_env(1), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and msg in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+def test_bench_update_builds_each_update_at_its_settings_matmul_precision(tmp_path):
+    """bench_update.py builds each setting's update inside its `model.matmul_precision`, as the
+    trainer does: `model.gpu_gemm` picks a GPU update's kernels (cuBLAS for full float32) from the
+    precision in force when the step is built, so with only the call inside the context a
+    full-float32 update was built for XLA's autotuned Triton GEMMs. Recorded here from the
+    precision each `make_update_step` call sees, a full-float32 setting and a default one."""
+    wrapper = tmp_path / "run_bench_update.py"
+    script = os.path.join(ROOT, "scripts", "bench_update.py")
+    wrapper.write_text(
+        "import runpy, sys\n"
+        "import stare_jax.rl as rl\n"
+        "from stare_jax import gpu_gemm\n"
+        "built = rl.make_update_step\n"
+        "def recording(*args, **kwargs):\n"
+        "    print('FULL_FLOAT32_AT_BUILD', gpu_gemm.full_float32_products(), flush=True)\n"
+        "    return built(*args, **kwargs)\n"
+        "rl.make_update_step = recording\n"
+        f"sys.argv = [{script!r}] + sys.argv[1:]\n"
+        f"runpy.run_path({script!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, str(wrapper), "--workload", "smoke", "--reps", "1",
+                        "--batch-cache", str(tmp_path / "batch.pkl"), "--model-cache", str(tmp_path / "models"),
+                        "--setting", '{"model.matmul_precision": "float32"}', "--setting", "{}"],
+                       cwd=ROOT, env=subprocess_env(1, STARE_JAX_MALLOC="system"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("FULL_FLOAT32_AT_BUILD")]
+    assert seen == ["True", "False"], r.stdout[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["setting"] for row in rows] == [{"model.matmul_precision": "float32"}, {}]
