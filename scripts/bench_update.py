@@ -21,7 +21,7 @@ time the same update; each output line names them (`vocab_chunk`, `vocab_keep_lo
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
 Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's matmul
-peak on this device in the setting's dtype (GFLOP/s, float32 or bfloat16 operands, measured once each) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
+peak on this device in the setting's dtype and `model.matmul_precision` (GFLOP/s, float32 or bfloat16 operands, measured once for each pair, inside that precision as the setting's update is built and run) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
 response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
 `op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
