@@ -34,7 +34,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "bench_peers"))
-sys.path.insert(0, REPO)  # stare_jax without an install (a device image), as the other scripts do
 
 #: published dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by JAX device_kind
 PUBLISHED_BF16_PEAK = {

@@ -36,9 +36,10 @@ from typing import Sequence
 
 import numpy as np
 
-from stare_jax.writers import read_metrics, smooth
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # stare_jax without an install (a device image runs the scripts so), as the other scripts do
+
+from stare_jax.writers import read_metrics, smooth  # noqa: E402
 QUICKSTART = os.path.join("configs", "quickstart.py")
 QUICKSTART_GRPO = os.path.join("configs", "quickstart_grpo.py")
 
@@ -338,7 +339,6 @@ def plot_study(summaries_rows: dict[str, list[list[dict]]], agg: dict[str, dict]
 # ----------------------------------------------------------------------------- running
 
 def load_base_config(config_path: str):
-    sys.path.insert(0, REPO)
     from stare_jax.config import load_config_file
     return load_config_file(os.path.join(REPO, config_path))
 

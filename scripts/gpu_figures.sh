@@ -54,9 +54,6 @@ fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the jobs run from the repository root
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-# the repository root first on the path: the device images run the scripts without installing the package
-# (the recipe jobs of one H200 session failed in a second on `import stare_jax`)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 deadline=$(( $(date +%s) + budget ))
 # Every module a job imports, first: a missing one (grain's portpicker cost one session its recipe
 # runs) stops the script here in seconds, with one line, instead of failing each job in turn.

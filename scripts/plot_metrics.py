@@ -22,7 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
-from stare_jax.writers import read_metrics, smooth
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # stare_jax without an install
+
+from stare_jax.writers import read_metrics, smooth  # noqa: E402
 
 QUADRANTS = ("pos_high", "pos_low", "neg_high", "neg_low")
 
