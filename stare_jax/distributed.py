@@ -66,6 +66,29 @@ def initialize(config) -> None:
     _initialized = True
 
 
+# What a collective's error says when a peer process of the run is gone: Gloo's TCP pairs (CPU
+# collectives) see the dead process's sockets close; JAX's coordination service names tasks that
+# stopped sending heartbeats.
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "heartbeat timeout",
+                        "stopped sending heartbeats", "tasks are unhealthy")
+
+
+def peer_failure_reason(e: BaseException) -> str | None:
+    """The first line of the error in `e`'s cause/context chain that reports a lost peer process
+    (`PEER_FAILURE_MARKERS`) on a multi-process run, shortened to 240 characters; else None."""
+    if jax.process_count() <= 1:
+        return None
+    seen: BaseException | None = e
+    while seen is not None:
+        text = str(seen)
+        for marker in PEER_FAILURE_MARKERS:
+            if marker in text:
+                line = next((ln for ln in text.splitlines() if marker in ln), text.splitlines()[0])
+                return f"{type(seen).__name__}: {line.strip()[:240]}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def is_main_process() -> bool:
     """True on the process that writes logs, metrics and exports."""
     return jax.process_index() == 0

@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 
 from stare_jax import config as config_lib
 
-ABANDON_GRACE_S = 3.0  # process 0 outlives the others by this much when it abandons a failed save
+ABANDON_GRACE_S = 3.0  # process 0 outlives the others by this much when it stops alone or abandons a failed save
 
 
 def parse_workdir(argv) -> str:
@@ -75,58 +76,76 @@ def main(argv=None) -> None:
     except config_lib.ConfigError as e:
         print(str(e), file=sys.stderr)
         sys.exit(2)
-    from stare_jax import checkpoint, trainer
+    from stare_jax import trainer
+    from stare_jax.preemption import Preempted
+
+    try:
+        trainer.train(config, workdir)
+    except KeyboardInterrupt:  # Ctrl-C before the handlers are installed
+        print("stopped by SIGINT before the first training step: nothing to save; rerun the same command to "
+              "start again", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        line, status = outcome(e, workdir)
+        several = jax.process_count() > 1
+        if line is None and not several:
+            raise  # a bug: its traceback
+        if line is None:
+            traceback.print_exc()
+        else:
+            print(line, file=sys.stderr)
+        if getattr(e, "abandoned", False) or (several and not isinstance(e, Preempted)):
+            # This process stopped alone (or its Orbax threads wait for a barrier it will never
+            # reach): JAX's shutdown at exit would wait for the others, which wait for it in their
+            # next collective, until the coordination service's timeout (5 minutes) aborts them all.
+            exit_leaving_threads(status)
+        sys.exit(status)
+
+
+def outcome(e: Exception, workdir: str) -> tuple[str | None, int]:
+    """(the one-line message, the exit status) of a training that raised `e`: 2 for bad input found
+    once the run started (a model directory, a reward spec, a config relation, a checkpoint of
+    another config), 1 for what the environment did (storage, device memory, data, a lost peer
+    process), a stop signal's own status; the message is None for an error that keeps its
+    traceback (a bug)."""
+    from stare_jax import checkpoint, distributed
     from stare_jax.data import DataFormatError
     from stare_jax.dynamic_sampling import DynamicSamplingError
     from stare_jax.models import MODEL_INPUT_ERRORS
     from stare_jax.models.gguf import GGUFImportError
     from stare_jax.preemption import Interrupted, Preempted
     from stare_jax.rewards import RewardSpecError
+    from stare_jax import workdir as workdir_lib
 
-    try:
-        trainer.train(config, workdir)
-    except (Preempted, Interrupted) as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C before the handlers are installed
-        print("stopped by SIGINT before the first training step: nothing to save; rerun the same command to "
-              "start again", file=sys.stderr)
-        sys.exit(130)
-    except (GGUFImportError, *MODEL_INPUT_ERRORS) as e:
-        print(f"model error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except workdir_lib.WorkdirError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except RewardSpecError as e:
-        print(reward_error_line(e), file=sys.stderr)
-        sys.exit(2)
-    except config_lib.ConfigError as e:  # a relation known once the data are read
-        print(str(e), file=sys.stderr)
-        sys.exit(2)
-    except checkpoint.IncompatibleCheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except DataFormatError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except DynamicSamplingError as e:
-        print(f"error: {e} (the last checkpoint is intact; rerun the command to resume)", file=sys.stderr)
-        sys.exit(1)
-    except Exception as e:  # a full disk, out of memory: one line; anything else keeps its traceback
-        line = failure_line(e, workdir)
-        if line is None:
-            raise
-        print(line, file=sys.stderr)
-        if getattr(e, "abandoned", False):
-            exit_leaving_threads(1)
-        sys.exit(1)
+    if isinstance(e, (Preempted, Interrupted)):
+        return str(e), e.exit_code
+    if isinstance(e, (GGUFImportError, *MODEL_INPUT_ERRORS)):
+        return f"model error: {e}", 2
+    if isinstance(e, workdir_lib.WorkdirError):
+        return f"error: {e}", 2
+    if isinstance(e, RewardSpecError):
+        return reward_error_line(e), 2
+    if isinstance(e, config_lib.ConfigError):  # a relation known once the data are read
+        return str(e), 2
+    if isinstance(e, checkpoint.IncompatibleCheckpointError):
+        return f"error: {e}", 2
+    if isinstance(e, DataFormatError):
+        return f"data error: {e}", 1
+    if isinstance(e, DynamicSamplingError):
+        return f"error: {e} (the last checkpoint is intact; rerun the command to resume)", 1
+    line = failure_line(e, workdir)  # a full disk, out of memory
+    if line is None and distributed.peer_failure_reason(e) is not None:
+        line = peer_failure_line(e, workdir)
+    return line, 1
 
 
 def exit_leaving_threads(status: int) -> None:
-    """Ends the process without joining Orbax's threads, which wait at a barrier a failed process
-    never reaches (`CheckpointWriteError.abandoned`). Process 0 hosts JAX's coordination service,
-    whose end makes the other processes' agents abort: it leaves a moment after them."""
+    """Ends the process at once with `status`: without joining Orbax's threads, which wait at a
+    barrier a failed process never reaches (`CheckpointWriteError.abandoned`), and without JAX's
+    shutdown barrier, which waits for every process of the run (a process that stopped alone would
+    wait there for the coordination service's timeout while the others wait for it in their next
+    collective). Process 0 hosts JAX's coordination service, whose end makes the other processes'
+    agents abort: it leaves a moment after them."""
     import jax
 
     from stare_jax import preemption
@@ -165,6 +184,21 @@ def failure_line(e: Exception, workdir: str, *, resume: bool = True) -> str | No
     step = supervisor.latest_committed_step(os.path.abspath(workdir))
     kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
     return f"error: {what}; {kept}: {fix} and rerun the same command" + (" to resume" if resume else "")
+
+
+def peer_failure_line(e: Exception, workdir: str) -> str:
+    """The one-line message of a process whose collective failed because another process of the run
+    stopped (`distributed.peer_failure_reason`), naming the committed checkpoint all of them resume
+    from."""
+    import jax
+
+    from stare_jax import distributed, supervisor
+
+    step = supervisor.latest_committed_step(os.path.abspath(workdir))
+    kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
+    return (f"error: process {jax.process_index()} of {jax.process_count()} lost a peer: "
+            f"{distributed.peer_failure_reason(e)}; another process of the run stopped (its own output gives the "
+            f"reason); {kept}: rerun every process with the same command to resume")
 
 
 def reward_error_line(e: Exception) -> str:

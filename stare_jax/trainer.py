@@ -31,6 +31,7 @@ from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
 FAULT_KILL_BEFORE_FINAL_EVAL = "STARE_FAULT_KILL_BEFORE_FINAL_EVAL"  # test hook: SIGKILL after the last commit
+FAULT_RAISE_AT_STEP = "STARE_FAULT_RAISE_AT_STEP"  # test hook "STEP:PROCESS": that process raises in that step
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -492,6 +493,8 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
         allocator.release_cache_on_compile()  # CPU runs: a new program's one-off blocks leave before it runs
         for step in range(start, config.total_steps):
             step_key = jax.random.fold_in(base_key, step)
+            if os.environ.get(FAULT_RAISE_AT_STEP) == f"{step}:{jax.process_index()}":
+                raise RuntimeError(f"{FAULT_RAISE_AT_STEP}: a failure injected in step {step}")
             compilations.take()
             releases = allocator.releases_on_compile()
             t0 = time.perf_counter()

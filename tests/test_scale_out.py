@@ -1,10 +1,13 @@
 """Scale-out (issue 7): multi-process training equals single-process, and checkpoints reshard."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from stare_jax import trainer
 from stare_jax.writers import read_jsonl
@@ -104,6 +107,85 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     assert steps == list(range(len(steps))) and 4 <= len(steps) < 8
     # the immediate exit skips multiprocessing's finalizer: its /tmp/pymp-* directory is removed anyway
     assert os.listdir(tmp_path / "tmp") == []
+
+
+def _two_processes(workdir, overrides, **env):
+    """Starts the two processes of one training, a CPU device each (stderr piped, stdout dropped)."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        o = dict(overrides, **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
+                               "distributed.process_id": pid})
+        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=subprocess_env(1, **env), text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    return procs
+
+
+def _lost_peer_line(pid, workdir):
+    return re.compile(rf"error: process {pid} of 2 lost a peer: \w+: .*(Connection closed by peer|Connection reset by "
+                      rf"peer).*; another process of the run stopped \(its own output gives the reason\); the "
+                      rf"checkpoint of step [24] is intact: rerun every process with the same command to resume")
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_path, failing):
+    """A bug (any exception) on one process of two, in step 4: before, that process waited in JAX's
+    shutdown barrier at exit while the other waited for it in its next collective, until the
+    coordination service's 5-minute timeout aborted both (SIGABRT, a fatal log, no word from the
+    healthy process of why). Now the failing process keeps its traceback and exits without the
+    shutdown barrier, and the other's collective fails at once: it ends with one line naming the
+    lost peer and the checkpoint to resume from. Both exit 1 within seconds; whichever fails, the
+    coordination service's host (process 0) or not."""
+    import time
+
+    from stare_jax import trainer as trainer_lib
+
+    model, data = tiny_model
+    workdir = str(tmp_path / "run")
+    t0 = time.time()
+    procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=8, checkpoint_every=2,
+                                                   **{"mesh.data": 2}),
+                           **{trainer_lib.FAULT_RAISE_AT_STEP: f"4:{failing}"})
+    try:
+        errs = [p.communicate(timeout=280)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errs]
+    assert time.time() - t0 < 150
+    assert errs[failing].strip().splitlines()[-1] == f"RuntimeError: {trainer_lib.FAULT_RAISE_AT_STEP}: a failure injected in step 4"
+    assert "Traceback (most recent call last)" in errs[failing]
+    other = 1 - failing
+    assert _lost_peer_line(other, workdir).fullmatch(errs[other].strip().splitlines()[-1]), errs[other][-2000:]
+    assert "Traceback" not in errs[other]
+    assert len(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 4
+
+
+def test_a_process_killed_stops_the_other_at_once(tiny_model, tmp_path):
+    """`kill -9` of process 1 mid-run: process 0's next collective fails (Gloo: connection reset or
+    closed by the dead peer) and it stops with one line in seconds, where it had waited for the
+    coordination service's heartbeat timeout (100 s) in JAX's shutdown barrier and then aborted
+    with SIGABRT and a fatal log."""
+    import time
+
+    model, data = tiny_model
+    workdir = str(tmp_path / "run")
+    procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=40, checkpoint_every=2,
+                                                   **{"mesh.data": 2}))
+    metrics, t0 = os.path.join(workdir, "metrics.jsonl"), time.time()
+    try:
+        while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):
+            assert time.time() - t0 < 200 and procs[0].poll() is None
+            time.sleep(0.1)
+        procs[1].kill()
+        killed = time.time()
+        err = procs[0].communicate(timeout=90)[1]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert time.time() - killed < 30
+    assert _lost_peer_line(0, workdir).fullmatch(err.strip().splitlines()[-1]), err[-2000:]
 
 
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
