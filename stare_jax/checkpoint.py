@@ -576,6 +576,16 @@ class Checkpointer:
                     f"Use a new --workdir, or rerun with the original values.")
             return
 
+    def abandon(self) -> None:
+        """Gives up a pending save without waiting for it: after another process of the run was
+        lost, Orbax's threads wait for it at the save's commit barrier until their timeout. `close`
+        then does nothing and the process must end with `os._exit`; the uncommitted step is moved
+        aside when the next run starts."""
+        if self._pending is not None:
+            log.warning("checkpoint of step %d abandoned uncommitted: another process of the run was lost",
+                        self._pending)
+        self.abandoned = True
+
     def close(self) -> None:
         """Waits for pending saves and releases the manager (its threads end even when a save
         failed: CheckpointWriteError is raised after). After a save that failed on one of several

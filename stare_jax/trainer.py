@@ -20,7 +20,7 @@ import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
 from stare_jax import config as config_lib
-from stare_jax import allocator, compilation, parallel
+from stare_jax import allocator, compilation, distributed, parallel
 from stare_jax.compilation import CompilationCounter
 from stare_jax import precision, preemption
 from stare_jax import workdir as workdir_lib
@@ -552,6 +552,10 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                 raise preemption.Preempted(signum, config.total_steps)
             _run_eval(config, train_state.model, tokenizer, eval_sources, base_key, config.total_steps, workdir,
                       eos_ids, pad_id, mesh, pool=pool)
+    except BaseException as e:
+        if distributed.peer_failure_reason(e) is not None:
+            ckpt.abandon()  # a pending save's Orbax threads wait for the lost process at its commit barrier
+        raise
     finally:
         progress.close()
         ckpt.close()

@@ -109,14 +109,16 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     assert os.listdir(tmp_path / "tmp") == []
 
 
-def _two_processes(workdir, overrides, **env):
-    """Starts the two processes of one training, a CPU device each (stderr piped, stdout dropped)."""
+def _two_processes(workdir, overrides, env=None, env_of_process_1=None):
+    """Starts the two processes of one training, a CPU device each (stderr piped, stdout dropped);
+    `env` for both, `env_of_process_1` for process 1 only."""
     port = _free_port()
     procs = []
     for pid in range(2):
         o = dict(overrides, **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
                                "distributed.process_id": pid})
-        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=subprocess_env(1, **env), text=True,
+        extra = dict(env or {}, **(env_of_process_1 or {} if pid == 1 else {}))
+        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=subprocess_env(1, **extra), text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return procs
 
@@ -145,7 +147,7 @@ def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_pat
     t0 = time.time()
     procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=8, checkpoint_every=2,
                                                    **{"mesh.data": 2}),
-                           **{trainer_lib.FAULT_RAISE_AT_STEP: f"4:{failing}"})
+                           env={trainer_lib.FAULT_RAISE_AT_STEP: f"4:{failing}"})
     try:
         errs = [p.communicate(timeout=280)[1] for p in procs]
     finally:
@@ -161,31 +163,42 @@ def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_pat
     assert len(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 4
 
 
-def test_a_process_killed_stops_the_other_at_once(tiny_model, tmp_path):
-    """`kill -9` of process 1 mid-run: process 0's next collective fails (Gloo: connection reset or
-    closed by the dead peer) and it stops with one line in seconds, where it had waited for the
-    coordination service's heartbeat timeout (100 s) in JAX's shutdown barrier and then aborted
-    with SIGABRT and a fatal log."""
+def test_a_process_killed_during_a_save_stops_the_other_at_once_and_both_resume(tiny_model, tmp_path):
+    """`kill -9` of process 1 while the checkpoint of step 4 is being written: process 0's next
+    collective fails (Gloo: the dead peer's connection reset or closed) and it stops with one line
+    in seconds, giving up its pending save (whose Orbax threads would wait for process 1 at the
+    commit barrier), where before it waited for the coordination service's heartbeat timeout (100 s)
+    and then aborted with SIGABRT and a fatal log. The rerun of both processes moves the
+    uncommitted step aside and resumes from step 2 to the end."""
     import time
+
+    from stare_jax import checkpoint as ckpt_lib
 
     model, data = tiny_model
     workdir = str(tmp_path / "run")
-    procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=40, checkpoint_every=2,
-                                                   **{"mesh.data": 2}))
-    metrics, t0 = os.path.join(workdir, "metrics.jsonl"), time.time()
+    overrides = tiny_overrides(model, data, total_steps=6, checkpoint_every=2, **{"mesh.data": 2})
+    t0 = time.time()
+    procs = _two_processes(workdir, overrides, env_of_process_1={ckpt_lib.FAULT_KILL_DURING_SAVE: "4"})
     try:
-        while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):
-            assert time.time() - t0 < 200 and procs[0].poll() is None
-            time.sleep(0.1)
-        procs[1].kill()
-        killed = time.time()
-        err = procs[0].communicate(timeout=90)[1]
+        errs = [p.communicate(timeout=280)[1] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert procs[0].returncode == 1, err[-2000:]
-    assert time.time() - killed < 30
-    assert _lost_peer_line(0, workdir).fullmatch(err.strip().splitlines()[-1]), err[-2000:]
+    assert [p.returncode for p in procs] == [1, -9], errs[0][-2000:]
+    assert time.time() - t0 < 90
+    assert _lost_peer_line(0, workdir).fullmatch(errs[0].strip().splitlines()[-1]), errs[0][-2000:]
+    assert "checkpoint of step 4 abandoned uncommitted" in errs[0]
+    assert "the checkpoint of step 2 is intact" in errs[0]
+    assert not ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(4)
+    procs = _two_processes(workdir, overrides)
+    try:
+        errs = [p.communicate(timeout=280)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    assert [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))] == list(range(6))
+    assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(6)
 
 
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
