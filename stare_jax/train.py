@@ -12,7 +12,8 @@ terminal (SIGHUP, 129), after which the run's output goes to WORKDIR/hangup.log.
 `--restarts N` a training process killed by a signal (an XLA abort, the OOM killer) is started
 again from its newest checkpoint, at most N times in a row without a new checkpoint, each restart
 recorded in WORKDIR/restarts.jsonl
-(`stare_jax.supervisor`).
+(`stare_jax.supervisor`). On several processes, an error or a death on one stops the others
+within seconds, each with one line (a path missing on one host: at start-up, exit 2).
 """
 
 from __future__ import annotations
@@ -52,20 +53,28 @@ def main(argv=None) -> None:
     argv = list(sys.argv if argv is None else argv)
     config_lib.exit_with_usage_if_asked(argv, __doc__)
     config, workdir = config_and_workdir(argv)
+    from stare_jax import distributed
     from stare_jax import workdir as workdir_lib
 
+    problem = None
     try:
         workdir_lib.check_workdir(workdir, create=True)
         config_lib.check_paths(config)
     except (config_lib.ConfigError, workdir_lib.WorkdirError) as e:
-        print(str(e) if isinstance(e, config_lib.ConfigError) else f"config error: {e}", file=sys.stderr)
+        problem = str(e) if isinstance(e, config_lib.ConfigError) else f"config error: {e}"
+    if problem is not None and not distributed.spans_processes(config):
+        print(problem, file=sys.stderr)
         sys.exit(2)
     from stare_jax.writers import configure_logging
 
     configure_logging()
-    from stare_jax import distributed
-
     distributed.initialize(config)
+    # On several processes a path may be missing on one host only: every process stops, each with
+    # one line (the others would wait for the failed one in their first collective).
+    problem = distributed.agree_on_startup_problem(problem)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        sys.exit(2)
     from stare_jax import compilation
 
     compilation.use_persistent_cache(config.compilation_cache_dir)

@@ -109,14 +109,14 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     assert os.listdir(tmp_path / "tmp") == []
 
 
-def _two_processes(workdir, overrides, env=None, env_of_process_1=None):
+def _two_processes(workdir, overrides, env=None, env_of_process_1=None, overrides_of_process_1=None):
     """Starts the two processes of one training, a CPU device each (stderr piped, stdout dropped);
-    `env` for both, `env_of_process_1` for process 1 only."""
+    `env` for both, `env_of_process_1` and `overrides_of_process_1` for process 1 only."""
     port = _free_port()
     procs = []
     for pid in range(2):
         o = dict(overrides, **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
-                               "distributed.process_id": pid})
+                               "distributed.process_id": pid}, **(overrides_of_process_1 or {} if pid == 1 else {}))
         extra = dict(env or {}, **(env_of_process_1 or {} if pid == 1 else {}))
         procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=subprocess_env(1, **extra), text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
@@ -127,6 +127,33 @@ def _lost_peer_line(pid, workdir):
     return re.compile(rf"error: process {pid} of 2 lost a peer: \w+: .*(Connection closed by peer|Connection reset by "
                       rf"peer).*; another process of the run stopped \(its own output gives the reason\); the "
                       rf"checkpoint of step [24] is intact: rerun every process with the same command to resume")
+
+
+def test_a_path_missing_on_one_process_stops_every_process_with_one_line(tiny_model, tmp_path):
+    """`model.path` missing on process 1's host only: before, process 1 exited 2 before joining
+    the run and process 0 waited in `jax.distributed.initialize` for its 5-minute timeout, then
+    aborted with a fatal log; now both join, exchange their start-up checks through the
+    coordination service's key-value store, and both exit 2 within seconds, process 1 with its own
+    line and process 0 with that line under process 1's name. Nothing is trained."""
+    import time
+
+    model, data = tiny_model
+    workdir, missing = str(tmp_path / "run"), str(tmp_path / "not_on_this_host")
+    t0 = time.time()
+    procs = _two_processes(workdir, tiny_overrides(model, data, **{"mesh.data": 2}),
+                           overrides_of_process_1={"model.path": missing})
+    try:
+        errs = [p.communicate(timeout=200)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], [e[-2000:] for e in errs]
+    assert time.time() - t0 < 60
+    own = (f"config error: model.path: {missing}: no such directory; allowed: a Hugging Face model directory "
+           f"(config.json, *.safetensors, tokenizer files)")
+    assert errs[1].strip().splitlines()[-1] == own
+    assert errs[0].strip().splitlines()[-1] == f"process 1 of 2: {own}"
+    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
 
 
 @pytest.mark.parametrize("failing", [1, 0])
