@@ -29,6 +29,35 @@ def _close(a, b, tol=1e-6):
             assert a[k] == b[k], (k, a[k], b[k])
 
 
+def _two_processes(workdir, overrides, env=None, env_of_process_1=None, overrides_of_process_1=None, devices=1):
+    """Starts the two processes of one training, `devices` CPU devices each (stderr piped, stdout
+    dropped); `env` for both, `env_of_process_1` and `overrides_of_process_1` for process 1 only."""
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        o = dict(overrides, **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
+                               "distributed.process_id": pid}, **(overrides_of_process_1 or {} if pid == 1 else {}))
+        extra = dict(env or {}, **(env_of_process_1 or {} if pid == 1 else {}))
+        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=subprocess_env(devices, **extra),
+                                      text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    return procs
+
+
+def _stderr_of(procs, timeout):
+    """Each process's standard error once it ends (all are killed if one outlasts `timeout` s)."""
+    try:
+        return [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _lost_peer_line(pid, workdir):
+    return re.compile(rf"error: process {pid} of 2 lost a peer: \w+: .*(Connection closed by peer|Connection reset by "
+                      rf"peer).*; another process of the run stopped \(its own output gives the reason\); the "
+                      rf"checkpoint of step [24] is intact: rerun every process with the same command to resume")
+
+
 def test_two_processes_of_two_devices_match_one_process_of_four(tiny_model, tmp_path):
     """Issue 19 item 8: the topology (processes x devices) does not change the trajectory beyond
     reduction-order noise, for a data x fsdp and a data x tensor layout: 2 processes x 2 devices in
@@ -78,21 +107,13 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     from stare_jax import checkpoint as ckpt_lib
 
     model, data = tiny_model
-    workdir, port = str(tmp_path / "run"), _free_port()
+    workdir = str(tmp_path / "run")
     os.makedirs(tmp_path / "tmp")
-    procs, t0 = [], time.time()
-    for pid in range(2):
-        o = dict(tiny_overrides(model, data, total_steps=8, checkpoint_every=2, **{"mesh.data": 2, "mesh.fsdp": 2}),
-                 **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
-                    "distributed.process_id": pid})
-        env = subprocess_env(2, **{ckpt_lib.FAULT_WRITE_FAILS_FROM_SAVE: "4:1"}, TMPDIR=str(tmp_path / "tmp"))
-        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    try:
-        errs = [p.communicate(timeout=400)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    t0 = time.time()
+    procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=8, checkpoint_every=2,
+                                                   **{"mesh.data": 2, "mesh.fsdp": 2}),
+                           env={ckpt_lib.FAULT_WRITE_FAILS_FROM_SAVE: "4:1", "TMPDIR": str(tmp_path / "tmp")}, devices=2)
+    errs = _stderr_of(procs, 400)
     assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errs]
     assert time.time() - t0 < 300
     last = [e.strip().splitlines()[-1] for e in errs]
@@ -109,26 +130,6 @@ def test_a_save_that_fails_on_one_process_stops_every_process_with_one_line(tiny
     assert os.listdir(tmp_path / "tmp") == []
 
 
-def _two_processes(workdir, overrides, env=None, env_of_process_1=None, overrides_of_process_1=None):
-    """Starts the two processes of one training, a CPU device each (stderr piped, stdout dropped);
-    `env` for both, `env_of_process_1` and `overrides_of_process_1` for process 1 only."""
-    port = _free_port()
-    procs = []
-    for pid in range(2):
-        o = dict(overrides, **{"distributed.coordinator_address": f"127.0.0.1:{port}", "distributed.num_processes": 2,
-                               "distributed.process_id": pid}, **(overrides_of_process_1 or {} if pid == 1 else {}))
-        extra = dict(env or {}, **(env_of_process_1 or {} if pid == 1 else {}))
-        procs.append(subprocess.Popen(train_cmd(workdir, o), cwd=ROOT, env=subprocess_env(1, **extra), text=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    return procs
-
-
-def _lost_peer_line(pid, workdir):
-    return re.compile(rf"error: process {pid} of 2 lost a peer: \w+: .*(Connection closed by peer|Connection reset by "
-                      rf"peer).*; another process of the run stopped \(its own output gives the reason\); the "
-                      rf"checkpoint of step [24] is intact: rerun every process with the same command to resume")
-
-
 def test_a_path_missing_on_one_process_stops_every_process_with_one_line(tiny_model, tmp_path):
     """`model.path` missing on process 1's host only: before, process 1 exited 2 before joining
     the run and process 0 waited in `jax.distributed.initialize` for its 5-minute timeout, then
@@ -142,11 +143,7 @@ def test_a_path_missing_on_one_process_stops_every_process_with_one_line(tiny_mo
     t0 = time.time()
     procs = _two_processes(workdir, tiny_overrides(model, data, **{"mesh.data": 2}),
                            overrides_of_process_1={"model.path": missing})
-    try:
-        errs = [p.communicate(timeout=200)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _stderr_of(procs, 200)
     assert [p.returncode for p in procs] == [2, 2], [e[-2000:] for e in errs]
     assert time.time() - t0 < 60
     own = (f"config error: model.path: {missing}: no such directory; allowed: a Hugging Face model directory "
@@ -175,11 +172,7 @@ def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_pat
     procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=8, checkpoint_every=2,
                                                    **{"mesh.data": 2}),
                            env={trainer_lib.FAULT_RAISE_AT_STEP: f"4:{failing}"})
-    try:
-        errs = [p.communicate(timeout=280)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _stderr_of(procs, 280)
     assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errs]
     assert time.time() - t0 < 150
     assert errs[failing].strip().splitlines()[-1] == f"RuntimeError: {trainer_lib.FAULT_RAISE_AT_STEP}: a failure injected in step 4"
@@ -206,11 +199,7 @@ def test_a_process_killed_during_a_save_stops_the_other_at_once_and_both_resume(
     overrides = tiny_overrides(model, data, total_steps=6, checkpoint_every=2, **{"mesh.data": 2})
     t0 = time.time()
     procs = _two_processes(workdir, overrides, env_of_process_1={ckpt_lib.FAULT_KILL_DURING_SAVE: "4"})
-    try:
-        errs = [p.communicate(timeout=280)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _stderr_of(procs, 280)
     assert [p.returncode for p in procs] == [1, -9], errs[0][-2000:]
     assert time.time() - t0 < 90
     assert _lost_peer_line(0, workdir).fullmatch(errs[0].strip().splitlines()[-1]), errs[0][-2000:]
@@ -218,11 +207,7 @@ def test_a_process_killed_during_a_save_stops_the_other_at_once_and_both_resume(
     assert "the checkpoint of step 2 is intact" in errs[0]
     assert not ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(4)
     procs = _two_processes(workdir, overrides)
-    try:
-        errs = [p.communicate(timeout=280)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = _stderr_of(procs, 280)
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
     assert [row["step"] for row in read_jsonl(os.path.join(workdir, "metrics.jsonl"))] == list(range(6))
     assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(6)
