@@ -213,6 +213,42 @@ def test_a_process_killed_during_a_save_stops_the_other_at_once_and_both_resume(
     assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(6)
 
 
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_both_resume(tiny_model, tmp_path):
+    """A preemption notice (SIGTERM) to process 1 only: the processes combine their stop flags
+    each step, so both finish the same step, save its checkpoint together and exit 143 with the
+    stop line; the rerun of both resumes from it and ends with every step once."""
+    import signal
+    import time
+
+    from stare_jax import checkpoint as ckpt_lib
+
+    model, data = tiny_model
+    workdir = str(tmp_path / "run")
+    overrides = tiny_overrides(model, data, total_steps=40, checkpoint_every=20, **{"mesh.data": 2})
+    procs = _two_processes(workdir, overrides)
+    metrics, t0 = os.path.join(workdir, "metrics.jsonl"), time.time()
+    try:
+        while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):
+            assert time.time() - t0 < 200 and procs[0].poll() is None and procs[1].poll() is None
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGTERM)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    errs = _stderr_of(procs, 200)
+    assert [p.returncode for p in procs] == [143, 143], [e[-2000:] for e in errs]
+    last = [e.strip().splitlines()[-1] for e in errs]
+    step = int(re.fullmatch(r"stopped by SIGTERM: saved a checkpoint at step (\d+); rerun the same command to resume",
+                            last[0]).group(1))
+    assert last[1] == last[0] and 3 <= step < 40
+    assert ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(step)
+    procs = _two_processes(workdir, dict(overrides, total_steps=step + 2))
+    errs = _stderr_of(procs, 280)
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
+    assert [row["step"] for row in read_jsonl(metrics)] == list(range(step + 2))
+
+
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
     model, data = tiny_model
     saved = str(tmp_path / "fsdp4")
