@@ -228,6 +228,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.distributed.coordinator_address = ""   # "" = single process, or auto-detected on TPU pods
     c.distributed.num_processes = 1
     c.distributed.process_id = 0
+    c.distributed.initialization_timeout_s = 300  # how long a process waits for every process to join
+    c.distributed.heartbeat_timeout_s = 100   # a process silent this long counts as dead: the run aborts
 
     c.logging = ml_collections.ConfigDict()
     c.logging.tensorboard = True
@@ -371,7 +373,8 @@ SCHEMA: dict[str, Field] = {
     "mesh.tensor": Field(int, check=lambda v: v == -1 or v >= 1, describe="-1 or an integer >= 1"),
     "mesh.cpu_devices": _int(0), "mesh.rollout_devices": _int(0),
     "distributed.coordinator_address": _STR, "distributed.num_processes": _int(1),
-    "distributed.process_id": _int(0),
+    "distributed.process_id": _int(0), "distributed.initialization_timeout_s": _int(1),
+    "distributed.heartbeat_timeout_s": _int(1),
     "compilation_cache_dir": _STR,
     "logging.tensorboard": _BOOL, "logging.wandb": _BOOL, "logging.wandb_project": _STR, "logging.progress": _BOOL,
 }

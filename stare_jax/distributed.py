@@ -99,10 +99,10 @@ def initialize(config) -> None:
         if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
             # CPU collectives across processes need gloo.
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(address, num_processes=num, process_id=pid)
+        jax.distributed.initialize(address, num_processes=num, process_id=pid, **_timeouts(d))
         log.info("process %d/%d joined %s (%d global devices)", pid, num, address, jax.device_count())
     elif _on_tpu_pod():
-        jax.distributed.initialize()
+        jax.distributed.initialize(**_timeouts(d))
         log.info("TPU pod: process %d/%d", jax.process_index(), jax.process_count())
     _initialized = True
 
@@ -130,6 +130,15 @@ def peer_failure_reason(e: BaseException) -> str | None:
                 return f"{type(seen).__name__}: {line.strip()[:240]}"
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _timeouts(d) -> dict:
+    """`jax.distributed.initialize`'s timeouts from the config's `distributed` section: how long a
+    process waits for all of them to join, and after how many seconds without heartbeats the
+    coordination service counts a process as dead and aborts the run (on GPU/TPU the only way a
+    peer's death ends the others' collectives; JAX's defaults 300 s and 100 s)."""
+    return {"initialization_timeout": int(d.get("initialization_timeout_s", 300)),
+            "heartbeat_timeout_seconds": int(d.get("heartbeat_timeout_s", 100))}
 
 
 def is_main_process() -> bool:

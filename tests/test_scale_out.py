@@ -52,10 +52,11 @@ def _stderr_of(procs, timeout):
             p.kill()
 
 
-def _lost_peer_line(pid, workdir):
+def _lost_peer_line(pid, kept=r"the checkpoint of step [24] is intact"):
+    """The line of process `pid` whose peer was lost (`kept`: what it says of the checkpoints)."""
     return re.compile(rf"error: process {pid} of 2 lost a peer: \w+: .*(Connection closed by peer|Connection reset by "
-                      rf"peer).*; another process of the run stopped \(its own output gives the reason\); the "
-                      rf"checkpoint of step [24] is intact: rerun every process with the same command to resume")
+                      rf"peer).*; another process of the run stopped \(its own output gives the reason\); {kept}: "
+                      rf"rerun every process with the same command to resume")
 
 
 def test_two_processes_of_two_devices_match_one_process_of_four(tiny_model, tmp_path):
@@ -178,7 +179,7 @@ def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_pat
     assert errs[failing].strip().splitlines()[-1] == f"RuntimeError: {trainer_lib.FAULT_RAISE_AT_STEP}: a failure injected in step 4"
     assert "Traceback (most recent call last)" in errs[failing]
     other = 1 - failing
-    assert _lost_peer_line(other, workdir).fullmatch(errs[other].strip().splitlines()[-1]), errs[other][-2000:]
+    assert _lost_peer_line(other).fullmatch(errs[other].strip().splitlines()[-1]), errs[other][-2000:]
     assert "Traceback" not in errs[other]
     assert len(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 4
 
@@ -202,7 +203,7 @@ def test_a_process_killed_during_a_save_stops_the_other_at_once_and_both_resume(
     errs = _stderr_of(procs, 280)
     assert [p.returncode for p in procs] == [1, -9], errs[0][-2000:]
     assert time.time() - t0 < 90
-    assert _lost_peer_line(0, workdir).fullmatch(errs[0].strip().splitlines()[-1]), errs[0][-2000:]
+    assert _lost_peer_line(0).fullmatch(errs[0].strip().splitlines()[-1]), errs[0][-2000:]
     assert "checkpoint of step 4 abandoned uncommitted" in errs[0]
     assert "the checkpoint of step 2 is intact" in errs[0]
     assert not ckpt_lib.Checkpointer(workdir, read_only=True).is_complete(4)
@@ -247,6 +248,54 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_both_resume(t
     errs = _stderr_of(procs, 280)
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
     assert [row["step"] for row in read_jsonl(metrics)] == list(range(step + 2))
+
+
+def test_a_hung_process_ends_the_run_after_the_configured_heartbeat_timeout(tiny_model, tmp_path):
+    """A process that hangs (SIGSTOP: alive, its sockets open) blocks the others' collectives, on
+    CPU as on GPU/TPU; only the coordination service's heartbeat timeout ends the run. With
+    `distributed.heartbeat_timeout_s` 5 (JAX's default 100) process 0 ends within seconds, by
+    JAX's own abort (a fatal log naming the unhealthy task, SIGABRT), and the hung process, once
+    continued, stops with the lost-peer line."""
+    import signal
+    import time
+
+    model, data = tiny_model
+    workdir = str(tmp_path / "run")
+    procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=400, checkpoint_every=2,
+                                                   **{"mesh.data": 2, "distributed.heartbeat_timeout_s": 5}))
+    metrics, t0 = os.path.join(workdir, "metrics.jsonl"), time.time()
+    try:
+        while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):
+            assert time.time() - t0 < 200 and procs[0].poll() is None and procs[1].poll() is None
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        procs[0].wait(timeout=60)
+        ended = time.time() - stopped
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+        errs = _stderr_of(procs, 60)
+    assert procs[0].returncode == -signal.SIGABRT and ended < 40, (ended, errs[0][-2000:])
+    assert "Terminating process because the JAX distributed service detected fatal errors" in errs[0]
+    assert procs[1].returncode == 1, errs[1][-2000:]
+    kept = r"(no checkpoint was committed yet|the checkpoint of step \d+ is intact)"  # a save may be pending
+    assert _lost_peer_line(1, kept).fullmatch(errs[1].strip().splitlines()[-1]), errs[1][-2000:]
+
+
+def test_a_process_that_never_joins_ends_the_wait_after_the_configured_timeout(tiny_model, tmp_path):
+    """Process 1 of 2 never starts: process 0 waits in `jax.distributed.initialize` for
+    `distributed.initialization_timeout_s` (here 3; JAX's default 300) and ends (JAX aborts it)."""
+    import time
+
+    model, data = tiny_model
+    o = dict(tiny_overrides(model, data, **{"mesh.data": 2, "distributed.initialization_timeout_s": 3}),
+             **{"distributed.coordinator_address": f"127.0.0.1:{_free_port()}", "distributed.num_processes": 2,
+                "distributed.process_id": 0})
+    t0 = time.time()
+    r = subprocess.run(train_cmd(str(tmp_path / "run"), o), cwd=ROOT, env=subprocess_env(1), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and time.time() - t0 < 40, r.stderr[-2000:]
+    assert "DEADLINE_EXCEEDED" in r.stderr
 
 
 def test_checkpoint_restores_onto_other_meshes(tiny_model, tmp_path):
