@@ -52,6 +52,16 @@ def _stderr_of(procs, timeout):
             p.kill()
 
 
+def _wait_for_steps(procs, metrics, steps, timeout=200):
+    """Waits until `metrics` holds `steps` rows while every process runs."""
+    import time
+
+    t0 = time.time()
+    while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= steps):
+        assert time.time() - t0 < timeout and all(p.poll() is None for p in procs)
+        time.sleep(0.1)
+
+
 def _lost_peer_line(pid, kept=r"the checkpoint of step [24] is intact"):
     """The line of process `pid` whose peer was lost (`kept`: what it says of the checkpoints)."""
     return re.compile(rf"error: process {pid} of 2 lost a peer: \w+: .*(Connection closed by peer|Connection reset by "
@@ -161,8 +171,9 @@ def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_pat
     coordination service's 5-minute timeout aborted both (SIGABRT, a fatal log, no word from the
     healthy process of why). Now the failing process keeps its traceback and exits without the
     shutdown barrier, and the other's collective fails at once: it ends with one line naming the
-    lost peer and the checkpoint to resume from. Both exit 1 within seconds; whichever fails, the
+    lost peer and the checkpoint to resume from. Both end within seconds, whichever fails, the
     coordination service's host (process 0) or not."""
+    import signal
     import time
 
     from stare_jax import trainer as trainer_lib
@@ -174,12 +185,17 @@ def test_an_error_on_one_process_stops_every_process_at_once(tiny_model, tmp_pat
                                                    **{"mesh.data": 2}),
                            env={trainer_lib.FAULT_RAISE_AT_STEP: f"4:{failing}"})
     errs = _stderr_of(procs, 280)
-    assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errs]
+    other = 1 - failing
+    # When process 0 (the coordination service's host) fails, the other meets the lost service and
+    # the closed peer at once: its collective's error reached Python first in every run seen, but
+    # JAX's client may abort it first (SIGABRT, its own fatal line) on a loaded host.
+    allowed = (1,) if failing == 1 else (1, -signal.SIGABRT)
+    assert procs[failing].returncode == 1 and procs[other].returncode in allowed, [e[-2000:] for e in errs]
     assert time.time() - t0 < 150
     assert errs[failing].strip().splitlines()[-1] == f"RuntimeError: {trainer_lib.FAULT_RAISE_AT_STEP}: a failure injected in step 4"
     assert "Traceback (most recent call last)" in errs[failing]
-    other = 1 - failing
-    assert _lost_peer_line(other).fullmatch(errs[other].strip().splitlines()[-1]), errs[other][-2000:]
+    if procs[other].returncode == 1:
+        assert _lost_peer_line(other).fullmatch(errs[other].strip().splitlines()[-1]), errs[other][-2000:]
     assert "Traceback" not in errs[other]
     assert len(read_jsonl(os.path.join(workdir, "metrics.jsonl"))) == 4
 
@@ -219,7 +235,6 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_both_resume(t
     each step, so both finish the same step, save its checkpoint together and exit 143 with the
     stop line; the rerun of both resumes from it and ends with every step once."""
     import signal
-    import time
 
     from stare_jax import checkpoint as ckpt_lib
 
@@ -227,11 +242,9 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_both_resume(t
     workdir = str(tmp_path / "run")
     overrides = tiny_overrides(model, data, total_steps=40, checkpoint_every=20, **{"mesh.data": 2})
     procs = _two_processes(workdir, overrides)
-    metrics, t0 = os.path.join(workdir, "metrics.jsonl"), time.time()
+    metrics = os.path.join(workdir, "metrics.jsonl")
     try:
-        while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):
-            assert time.time() - t0 < 200 and procs[0].poll() is None and procs[1].poll() is None
-            time.sleep(0.1)
+        _wait_for_steps(procs, metrics, 3)
         procs[1].send_signal(signal.SIGTERM)
     except BaseException:
         for p in procs:
@@ -254,8 +267,8 @@ def test_a_hung_process_ends_the_run_after_the_configured_heartbeat_timeout(tiny
     """A process that hangs (SIGSTOP: alive, its sockets open) blocks the others' collectives, on
     CPU as on GPU/TPU; only the coordination service's heartbeat timeout ends the run. With
     `distributed.heartbeat_timeout_s` 5 (JAX's default 100) process 0 ends within seconds, by
-    JAX's own abort (a fatal log naming the unhealthy task, SIGABRT), and the hung process, once
-    continued, stops with the lost-peer line."""
+    JAX's own abort (a fatal log naming the unhealthy task, SIGABRT); the hung process, once
+    continued, ends too."""
     import signal
     import time
 
@@ -263,11 +276,9 @@ def test_a_hung_process_ends_the_run_after_the_configured_heartbeat_timeout(tiny
     workdir = str(tmp_path / "run")
     procs = _two_processes(workdir, tiny_overrides(model, data, total_steps=400, checkpoint_every=2,
                                                    **{"mesh.data": 2, "distributed.heartbeat_timeout_s": 5}))
-    metrics, t0 = os.path.join(workdir, "metrics.jsonl"), time.time()
+    metrics = os.path.join(workdir, "metrics.jsonl")
     try:
-        while not (os.path.exists(metrics) and len(read_jsonl(metrics)) >= 3):
-            assert time.time() - t0 < 200 and procs[0].poll() is None and procs[1].poll() is None
-            time.sleep(0.1)
+        _wait_for_steps(procs, metrics, 3)
         procs[1].send_signal(signal.SIGSTOP)
         stopped = time.time()
         procs[0].wait(timeout=60)
@@ -277,9 +288,12 @@ def test_a_hung_process_ends_the_run_after_the_configured_heartbeat_timeout(tiny
         errs = _stderr_of(procs, 60)
     assert procs[0].returncode == -signal.SIGABRT and ended < 40, (ended, errs[0][-2000:])
     assert "Terminating process because the JAX distributed service detected fatal errors" in errs[0]
-    assert procs[1].returncode == 1, errs[1][-2000:]
+    # Continued, the hung process meets the lost service and the closed peer at once: JAX's client
+    # aborts it, or its collective's error reaches Python first and it stops with the lost-peer line.
+    assert procs[1].returncode in (1, -signal.SIGABRT), errs[1][-2000:]
     kept = r"(no checkpoint was committed yet|the checkpoint of step \d+ is intact)"  # a save may be pending
-    assert _lost_peer_line(1, kept).fullmatch(errs[1].strip().splitlines()[-1]), errs[1][-2000:]
+    assert procs[1].returncode != 1 or _lost_peer_line(1, kept).fullmatch(errs[1].strip().splitlines()[-1]), \
+        errs[1][-2000:]
 
 
 def test_a_process_that_never_joins_ends_the_wait_after_the_configured_timeout(tiny_model, tmp_path):
