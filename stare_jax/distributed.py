@@ -137,8 +137,8 @@ def _timeouts(d) -> dict:
     process waits for all of them to join, and after how many seconds without heartbeats the
     coordination service counts a process as dead and aborts the run (on GPU/TPU the only way a
     peer's death ends the others' collectives; JAX's defaults 300 s and 100 s)."""
-    return {"initialization_timeout": int(d.get("initialization_timeout_s", 300)),
-            "heartbeat_timeout_seconds": int(d.get("heartbeat_timeout_s", 100))}
+    return {"initialization_timeout": int(d.initialization_timeout_s),
+            "heartbeat_timeout_seconds": int(d.heartbeat_timeout_s)}
 
 
 def is_main_process() -> bool:

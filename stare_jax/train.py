@@ -143,8 +143,9 @@ def outcome(e: Exception, workdir: str) -> tuple[str | None, int]:
     if isinstance(e, DynamicSamplingError):
         return f"error: {e} (the last checkpoint is intact; rerun the command to resume)", 1
     line = failure_line(e, workdir)  # a full disk, out of memory
-    if line is None and distributed.peer_failure_reason(e) is not None:
-        line = peer_failure_line(e, workdir)
+    reason = distributed.peer_failure_reason(e) if line is None else None
+    if reason is not None:
+        line = peer_failure_line(reason, workdir)
     return line, 1
 
 
@@ -174,7 +175,7 @@ def failure_line(e: Exception, workdir: str, *, resume: bool = True) -> str | No
     committed checkpoint a rerun resumes from (`resume`; evaluate: False)."""
     import jax
 
-    from stare_jax import checkpoint, supervisor
+    from stare_jax import checkpoint
     from stare_jax import workdir as workdir_lib
     from stare_jax.config import first_line
 
@@ -190,24 +191,28 @@ def failure_line(e: Exception, workdir: str, *, resume: bool = True) -> str | No
                "(python -m stare_jax.dryrun sizes a config's programs before a run)")
     else:
         return None
+    return (f"error: {what}; {kept_checkpoint(workdir)}: {fix} and rerun the same command"
+            + (" to resume" if resume else ""))
+
+
+def kept_checkpoint(workdir: str) -> str:
+    """What a stopped run's message says of its checkpoints: the committed step a rerun resumes
+    from, or that none was committed yet."""
+    from stare_jax import supervisor
+
     step = supervisor.latest_committed_step(os.path.abspath(workdir))
-    kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
-    return f"error: {what}; {kept}: {fix} and rerun the same command" + (" to resume" if resume else "")
+    return "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
 
 
-def peer_failure_line(e: Exception, workdir: str) -> str:
+def peer_failure_line(reason: str, workdir: str) -> str:
     """The one-line message of a process whose collective failed because another process of the run
-    stopped (`distributed.peer_failure_reason`), naming the committed checkpoint all of them resume
-    from."""
+    stopped (`reason`: `distributed.peer_failure_reason`), naming the committed checkpoint all of
+    them resume from."""
     import jax
 
-    from stare_jax import distributed, supervisor
-
-    step = supervisor.latest_committed_step(os.path.abspath(workdir))
-    kept = "no checkpoint was committed yet" if step is None else f"the checkpoint of step {step} is intact"
-    return (f"error: process {jax.process_index()} of {jax.process_count()} lost a peer: "
-            f"{distributed.peer_failure_reason(e)}; another process of the run stopped (its own output gives the "
-            f"reason); {kept}: rerun every process with the same command to resume")
+    return (f"error: process {jax.process_index()} of {jax.process_count()} lost a peer: {reason}; another process "
+            f"of the run stopped (its own output gives the reason); {kept_checkpoint(workdir)}: rerun every process "
+            f"with the same command to resume")
 
 
 def reward_error_line(e: Exception) -> str:
