@@ -17,10 +17,21 @@ all 30 layers and 23 or 27 of them, three calls each) gives the reference values
 call, as does YNNPACK's products with XLA's reductions, and the whole update's metrics equal
 YNNPACK's to float rounding (relative 1.1e-5 at most), bit-identical between processes.
 
+The same pair met a fault again in a program not checked before: with `model.remat_saves =
+"projections"` (every layer's projection outputs kept for the backward) the real model's update on
+two CPU devices (Zen 5 host, 2026-12-04) reported an entropy of 2.858 against 2.792 and an approx_kl
+of 0.267 against 3e-9 on the on-policy batch (gradients and loss still equal to YNNPACK's); on one
+device, or with YNNPACK's products, every metric agreed. So "auto" keeps Eigen's products only for
+the update programs they were checked on (`EIGEN_CHECKED_REMAT`) and gives the rest to YNNPACK,
+which on that program ran as fast (docs/performance.md, "Eigen's products under the projections
+rematerialisation").
+
 `model.cpu_gemm`:
 
     auto     (default) the update's products on Eigen, its reductions on YNNPACK
-             (`EIGEN_PRODUCTS`); the rollout on XLA's defaults (its decode products are thin)
+             (`EIGEN_PRODUCTS`), where the update's rematerialisation is one Eigen's products were
+             checked on (`EIGEN_CHECKED_REMAT`), else XLA's defaults; the rollout on XLA's
+             defaults (its decode products are thin)
     ynnpack  XLA:CPU's defaults in both phases (YNNPACK's products and reductions), as every run
              before this setting
 
@@ -41,13 +52,27 @@ PHASES = ("update", "rollout")
 EIGEN_PRODUCTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 
 
-def compiler_options(phase: str, choice: str, *, platform: str) -> dict[str, Any]:
+#: the update's rematerialisation policies (`model.remat_saves` of a rematerialised model; "none":
+#: no rematerialisation) whose programs were checked right with Eigen's products on two CPU devices
+#: (the module docstring): the real model's whole-layer and "mlp" remat, the synthetic workloads
+#: and the tests' models without it
+EIGEN_CHECKED_REMAT = ("none", "nothing", "mlp")
+
+
+def remat_policy(model) -> str:
+    """The rematerialisation policy of `model`'s layers, as `EIGEN_CHECKED_REMAT` names it: its
+    `remat_saves` when `remat` is on, else "none"."""
+    return str(getattr(model, "remat_saves", "nothing")) if getattr(model, "remat", False) else "none"
+
+
+def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none") -> dict[str, Any]:
     """The XLA compiler options for `phase` ("update" or "rollout") under `model.cpu_gemm = choice`
-    on devices of `platform` (see the module docstring); {} for XLA's defaults."""
+    on devices of `platform`, for an update whose layers rematerialise under `remat`
+    (`remat_policy`; see the module docstring); {} for XLA's defaults."""
     if choice not in CHOICES:
         raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    if platform != "cpu" or choice == "ynnpack" or phase == "rollout":
+    if platform != "cpu" or choice == "ynnpack" or phase == "rollout" or remat not in EIGEN_CHECKED_REMAT:
         return {}
     return dict(EIGEN_PRODUCTS)

@@ -1,7 +1,9 @@
 """`model.cpu_gemm` (`stare_jax.cpu_gemm`, issue 20): which kernels XLA:CPU runs the update's products
 with. The choice table, and that the options reach the update's compilation: under "auto" no
 product of the compiled update is a YNNPACK fusion while its reductions still are, under "ynnpack"
-its products are, and both give the same update to float rounding."""
+its products are, and both give the same update to float rounding; a rematerialisation Eigen's
+products were not checked on ("projections", whose metrics came out wrong on two devices) gets
+XLA's defaults under "auto"."""
 
 import jax
 import numpy as np
@@ -9,10 +11,12 @@ import pytest
 from flax import nnx
 
 from stare_jax import cpu_gemm, parallel
-from stare_jax.cpu_gemm import EIGEN_PRODUCTS, compiler_options
+from stare_jax.cpu_gemm import EIGEN_CHECKED_REMAT, EIGEN_PRODUCTS, compiler_options, remat_policy
+from stare_jax.models import build_model
+from stare_jax.rl import create_train_state
 from stare_jax.rl import update as update_lib
 from stare_jax.rl.update import make_update_step
-from tests.test_rl_update import assert_trees_close, fresh_state, make_batch, make_config, update_once
+from tests.test_rl_update import CFG, assert_trees_close, fresh_state, make_batch, make_config, update_once
 
 
 def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu():
@@ -30,6 +34,24 @@ def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu
         compiler_options("update", "eigen", platform="cpu")  # Eigen's products with XLA's reductions: refused
     with pytest.raises(ValueError, match="phase"):
         compiler_options("prefill", "auto", platform="cpu")
+
+
+def test_auto_keeps_eigens_products_only_for_the_rematerialisations_they_were_checked_on():
+    assert EIGEN_CHECKED_REMAT == ("none", "nothing", "mlp")
+    for remat in EIGEN_CHECKED_REMAT:
+        assert compiler_options("update", "auto", platform="cpu", remat=remat) == EIGEN_PRODUCTS
+    assert compiler_options("update", "auto", platform="cpu", remat="projections") == {}
+    assert update_lib.cpu_update_compiler_options("auto", "projections") == update_lib.CPU_UPDATE_COMPILER_OPTIONS
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    config = make_config()
+    for remat, saves, policy, options in ((False, "projections", "none", EIGEN_PRODUCTS),
+                                          (True, "nothing", "nothing", EIGEN_PRODUCTS),
+                                          (True, "mlp", "mlp", EIGEN_PRODUCTS),
+                                          (True, "projections", "projections", {})):
+        model = build_model(CFG, mesh=mesh, seed=0, remat=remat, remat_saves=saves)
+        assert remat_policy(model) == policy
+        step = make_update_step(config, mesh, create_train_state(model, config, mesh=mesh))
+        assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **options}, (remat, saves)
 
 
 def _ynnpack_fusions(config, mesh, batch) -> list[str]:

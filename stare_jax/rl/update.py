@@ -92,10 +92,12 @@ from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_s
 CPU_UPDATE_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
-def cpu_update_compiler_options(cpu_gemm_choice: str = "auto") -> dict:
+def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "none") -> dict:
     """The XLA options the update step compiles with on a CPU mesh: `CPU_UPDATE_COMPILER_OPTIONS`
-    and those of `model.cpu_gemm = cpu_gemm_choice` (`stare_jax.cpu_gemm`)."""
-    return {**CPU_UPDATE_COMPILER_OPTIONS, **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu")}
+    and those of `model.cpu_gemm = cpu_gemm_choice` for a model rematerialising under `remat`
+    (`stare_jax.cpu_gemm`)."""
+    return {**CPU_UPDATE_COMPILER_OPTIONS,
+            **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu", remat=remat)}
 
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
@@ -491,7 +493,8 @@ class UpdateStep:
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
-        options = cpu_update_compiler_options(settings.cpu_gemm) if cpu_options and platform == "cpu" else {}
+        options = (cpu_update_compiler_options(settings.cpu_gemm, cpu_gemm.remat_policy(train_state.model))
+                   if cpu_options and platform == "cpu" else {})
         options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
                                                  dtype=getattr(train_state.model, "dtype", np.float32)))
         self.compiler_options = options  # the XLA options the step compiles with (`model.cpu_gemm` / `gpu_gemm`)
