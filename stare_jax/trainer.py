@@ -27,6 +27,7 @@ from stare_jax import workdir as workdir_lib
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_to_generate, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
 from stare_jax.models.hf import abstract_model, load_config, load_tokenizer_dir
+from stare_jax.rl.policy_agreement import disagreement_line
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -481,6 +482,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     progress = Progress(config.total_steps, start, enabled=config.logging.progress)
     row: dict = {}
     compilations = CompilationCounter()
+    disagreement_seen = False  # warned once: the update's log-probs against the sampler's (rl/policy_agreement.py)
     try:
         if (start == 0 and config.eval.enabled and config.eval.at_start
                 and not os.path.exists(os.path.join(workdir, "eval", "step_0.json"))):
@@ -510,6 +512,10 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                                                  jax.random.fold_in(step_key, 1), packing=packing)
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
             t2 = time.perf_counter()
+            disagreement = disagreement_line(update_metrics, num_updates=update.settings.num_updates)
+            if disagreement and not disagreement_seen:
+                log.warning("step %d: %s (warned once; approx_kl of every step is in metrics.jsonl)", step, disagreement)
+                disagreement_seen = True
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
                    "step_s": t2 - t0, "compilations": compilations.take()}
             if packing is not None:
