@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -18,6 +19,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _short_tmpdir(monkeypatch):
+    """A short TMPDIR of its own for the processes each test starts, removed after the test with what a
+    process killed there left in it (multiprocessing's `pymp-*` directories, which only an orderly
+    exit removes). Short: the reward pool's forkserver socket lives there, and the pytest directory's
+    path would pass AF_UNIX's 108-byte limit."""
+    path = tempfile.mkdtemp(prefix="sj-")
+    monkeypatch.setenv("TMPDIR", path)
+    yield
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _close(a, b, tol=1e-6):
