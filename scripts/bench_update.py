@@ -203,7 +203,7 @@ def main() -> None:
             arranged, packing = update.arrange(dict(batch))
             sharded = parallel.shard_batch(arranged, mesh)
             times, kernel_s, faults, trace = [], [], [], os.path.join(args.profile, str(i)) if args.profile else ""
-            kls = []  # each update's approx_kl: the first is on-policy (~0 unless a kernel computes wrong values)
+            kls = []  # each update's approx_kl (the first's is its sampler_approx_kl, ~0 unless a kernel is wrong)
             for r in range(args.reps):
                 if trace and r == args.reps - 1:
                     jax.profiler.start_trace(trace)
@@ -249,7 +249,7 @@ def main() -> None:
                                                       jax.device_count())
             if args.digest_out:
                 write_digest(args.digest_out, setting, leaves, out)
-            disagreement = disagreement_line({"approx_kl": kls[0]}, num_updates=1)
+            disagreement = disagreement_line({"sampler_approx_kl": kls[0]})
             if disagreement:  # the setting's figures are those of a program that computes wrong values
                 print(f"bench_update: --setting {json.dumps(setting)}: {disagreement}", file=sys.stderr, flush=True)
                 result["policy_disagreement"] = disagreement

@@ -512,9 +512,9 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                                                  jax.random.fold_in(step_key, 1), packing=packing)
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
             t2 = time.perf_counter()
-            disagreement = disagreement_line(update_metrics, num_updates=update.settings.num_updates)
+            disagreement = disagreement_line(update_metrics)
             if disagreement and not disagreement_seen:
-                log.warning("step %d: %s (warned once; approx_kl of every step is in metrics.jsonl)", step, disagreement)
+                log.warning("step %d: %s (warned once; every step's is in metrics.jsonl)", step, disagreement)
                 disagreement_seen = True
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
                    "step_s": t2 - t0, "compilations": compilations.take()}

@@ -4,22 +4,55 @@ step whose approx_kl is far above rounding gets one warning from the trainer, na
 import logging
 import math
 
+import jax
 import numpy as np
+from flax import nnx
 
+from stare_jax import parallel
 from stare_jax.rl.policy_agreement import DISAGREEMENT_APPROX_KL, disagreement_line
+from stare_jax.rl.update import make_update_step, response_token_stats
+from tests.test_rl_update import R, fresh_state, make_batch, make_config, mesh8  # noqa: F401 (a fixture)
 from tests.test_train_e2e import _config
 
 
-def test_only_an_on_policy_update_far_above_rounding_is_a_disagreement():
-    assert disagreement_line({"approx_kl": 3e-9}, num_updates=1) is None
-    assert disagreement_line({"approx_kl": 0.0027}, num_updates=1) is None  # bfloat16's rounding (H100 recipe)
-    assert disagreement_line({"approx_kl": DISAGREEMENT_APPROX_KL}, num_updates=1) is None
-    line = disagreement_line({"approx_kl": 0.267}, num_updates=1)
-    assert line.startswith("the update's log-probs disagree with the sampler's") and "approx_kl 0.267" in line
+def test_only_a_disagreement_far_above_rounding_is_reported():
+    assert disagreement_line({"sampler_approx_kl": 3e-9}) is None
+    assert disagreement_line({"sampler_approx_kl": 0.0027}) is None  # bfloat16's rounding (H100 recipe)
+    assert disagreement_line({"sampler_approx_kl": DISAGREEMENT_APPROX_KL}) is None
+    line = disagreement_line({"sampler_approx_kl": 0.267, "approx_kl": 0.0})
+    assert line.startswith("the update's log-probs disagree with the sampler's") and "sampler_approx_kl 0.267" in line
     assert "model.cpu_gemm=ynnpack" in line and "\n" not in line
-    assert disagreement_line({"approx_kl": 0.267}, num_updates=4) is None  # later mini-batches move away
-    assert disagreement_line({"approx_kl": math.nan}, num_updates=1) is None  # a skipped step: nonfinite_skipped
-    assert disagreement_line({}, num_updates=1) is None
+    assert disagreement_line({"sampler_approx_kl": math.nan}) is None  # a skipped step: nonfinite_skipped
+    assert disagreement_line({"approx_kl": 0.267}) is None  # later mini-batches' drift is not a disagreement
+
+
+def _k3(log_probs, old, mask):
+    d = log_probs - old
+    return float(np.sum(np.where(mask > 0, np.expm1(d) - d, 0.0)) / np.sum(mask > 0))
+
+
+def test_both_update_paths_report_the_pre_update_policy_against_the_sampler(mesh8):
+    """`sampler_approx_kl` is the same figure on the one-pass path (where it is the on-policy approx_kl)
+    and on the path with several optimizer steps (computed from the no-grad first pass, whose own
+    approx_kl measures the drift from that pass instead); a sampler whose log-probs are off by one
+    nat reads (e - 1) - 1 = 0.718 on both."""
+    batch = make_batch()
+    one = make_update_step(make_config(), mesh8, fresh_state(make_config(), mesh8), donate=False)
+    ts = fresh_state(make_config(), mesh8)
+    state0 = nnx.state(ts)
+    log_probs = np.asarray(response_token_stats(ts.model, batch["input_ids"], batch["attention_mask"], R,
+                                                vocab_chunk=16).log_probs)
+    for old in (log_probs, log_probs - 1.0):
+        b = dict(batch, old_log_probs=old.astype(np.float32))
+        want = _k3(log_probs, b["old_log_probs"], batch["response_mask"])
+        _, m_one = one.apply(state0, parallel.shard_batch(b, mesh8), jax.random.key(0))
+        assert float(m_one["sampler_approx_kl"]) == float(m_one["approx_kl"])
+        config = make_config(**{"update.ppo_epochs": 2, "update.num_minibatches": 2})
+        many = make_update_step(config, mesh8, fresh_state(config, mesh8), donate=False)
+        _, m_many = many.apply(state0, parallel.shard_batch(b, mesh8), jax.random.key(0))
+        for m in (m_one, m_many):
+            np.testing.assert_allclose(float(m["sampler_approx_kl"]), want, rtol=1e-3, atol=1e-6)
+    assert abs(want - (np.e - 2)) < 1e-6
 
 
 def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_model, tmp_path, monkeypatch, caplog):

@@ -1,19 +1,19 @@
 """Whether the update's forward computes the policy the sampler sampled from.
 
-On an on-policy update (one optimizer step a batch: `update.ppo_epochs = 1`,
-`update.num_minibatches = 1`) the update's policy is the behaviour policy, so its importance ratio
-r_t = pi(o_t) / pi_old(o_t) is 1 up to the rounding of two programs, and
+Before its first optimizer step the update's policy is the behaviour policy, so the ratio of the
+update's probability of each sampled token to the sampler's, r_t = pi(o_t) / mu(o_t), is 1 up to
+the rounding of two programs, and the update step's
 
-    approx_kl = mean_t [(r_t - 1) - log r_t]   (token mean over the batch)
+    sampler_approx_kl = mean_t [(r_t - 1) - log r_t]   (token mean over the batch)
 
-is ~0: 1e-9 to 1e-5 in float32 runs, at most 0.0027 in the H100's bfloat16 recipe
-(docs/bench/h100/recipe_*_metrics.jsonl). A kernel that computes wrong values reads far above
-that: XLA:CPU's Eigen products on two CPU devices gave 0.81 (wrong hidden states, the section
-"Eigen's matmuls in the update gave wrong results on two CPU devices" of docs/performance.md) and
-0.13-0.27 under the "projections" rematerialisation (stare_jax/cpu_gemm.py), with the loss and its
-gradients still plausible. The trainer checks every on-policy step against
-`DISAGREEMENT_APPROX_KL` and warns once, so such a fault is seen on the first step, not in a
-study's curves.
+is ~0: 1e-9 to 1e-5 in float32 runs, at most 0.0027 in the H100's bfloat16 recipe (its on-policy
+`approx_kl`, the same figure: docs/bench/h100/recipe_*_metrics.jsonl). A kernel that computes wrong
+values reads far above that: XLA:CPU's Eigen products on two CPU devices gave 0.81 (wrong hidden
+states, the section "Eigen's matmuls in the update gave wrong results on two CPU devices" of
+docs/performance.md) and 0.27-0.28 under the "projections" rematerialisation
+(stare_jax/cpu_gemm.py), with the loss and its gradients still plausible. The trainer checks every
+step against `DISAGREEMENT_APPROX_KL` and warns once, so such a fault is seen on the first step,
+not in a study's curves.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ import math
 DISAGREEMENT_APPROX_KL = 0.05
 
 
-def disagreement_line(metrics: dict, *, num_updates: int) -> str | None:
-    """A one-line warning when an on-policy update (`num_updates` == 1 optimizer step a batch) reports
-    `approx_kl` above `DISAGREEMENT_APPROX_KL`, i.e. its forward's log-probs of the sampled tokens
-    disagree with the sampler's; None otherwise, for off-policy updates (whose later mini-batches
-    legitimately move away from the behaviour policy) and for a value that is not finite (a step the
+def disagreement_line(metrics: dict) -> str | None:
+    """A one-line warning when the update step's `sampler_approx_kl` is above
+    `DISAGREEMENT_APPROX_KL`, i.e. its forward's log-probs of the sampled tokens before the step
+    disagree with the sampler's; None otherwise, and for a value that is not finite (a step the
     update skipped, counted by `nonfinite_skipped`)."""
-    kl = metrics.get("approx_kl")
-    if num_updates != 1 or kl is None or not math.isfinite(kl) or kl <= DISAGREEMENT_APPROX_KL:
+    kl = metrics.get("sampler_approx_kl")
+    if kl is None or not math.isfinite(kl) or kl <= DISAGREEMENT_APPROX_KL:
         return None
-    return (f"the update's log-probs disagree with the sampler's on an on-policy batch: approx_kl {kl:.3g} "
-            f"(rounding gives < {DISAGREEMENT_APPROX_KL}); a kernel computes wrong values (on a CPU try "
-            f"model.cpu_gemm=ynnpack or mesh.cpu_devices=1) or the two phases see different models")
+    return (f"the update's log-probs disagree with the sampler's: sampler_approx_kl {kl:.3g} (rounding gives "
+            f"< {DISAGREEMENT_APPROX_KL}); a kernel computes wrong values (on a CPU try model.cpu_gemm=ynnpack or "
+            f"mesh.cpu_devices=1) or the two phases see different models")

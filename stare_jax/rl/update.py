@@ -25,6 +25,9 @@ One step:
  5. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is skipped
     (parameters and optimizer state unchanged); if any step of the batch was skipped the
     controller state is left as it was. `nonfinite_skipped` counts the skipped steps.
+ 6. `sampler_approx_kl`: the token mean of (r - 1) - log r with r = pi_theta_old(o_t) / mu(o_t),
+    the pre-update policy's probability of each sampled token over the sampler's (`old_log_probs`):
+    rounding (~0) unless the two phases compute different policies (`rl/policy_agreement.py`).
 
 Paths. With a single optimizer step and no accumulation (the paper's on-policy setting) everything
 happens in one forward + backward: entropy, selection and diagnostics come from the same forward
@@ -293,6 +296,12 @@ def single_pass_loss_and_grad(settings: RLSettings, model, controller: Controlle
     return loss, grads, metrics, prep
 
 
+def _approx_kl(log_probs, old_log_probs, mask) -> jax.Array:
+    """Token mean over `mask` of (r - 1) - log r, r = exp(log_probs - old_log_probs) (k3 of KL(old || new))."""
+    d = log_probs - old_log_probs
+    return jnp.sum(jnp.where(mask > 0, jnp.expm1(d) - d, 0.0)) / jnp.maximum(jnp.sum(mask > 0), 1)
+
+
 def _to_micro(x: jax.Array, K: int) -> jax.Array:
     """[N, ...] -> [K, N/K, ...] with micro-batch k = rows {i K + k}."""
     n = x.shape[0] // K
@@ -387,7 +396,8 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups, prompt_groups=shared,
             rewards=batch["rewards"], packing=packing)
         state, gnorm, ok = apply_grads(state, grads, loss)
-        metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32)}
+        metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32),
+                   "sampler_approx_kl": metrics["approx_kl"]}  # old log-probs = the sampler's, parameters = theta_old
         all_ok = ok
     else:
         graphdef_m, params0, rest0 = nnx.split(ts.model, nnx.Param, ...)
@@ -453,6 +463,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         state, (per_update, oks) = jax.lax.scan(one_update, state, jnp.arange(U, dtype=jnp.int32))
         metrics = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), per_update)
         metrics["nonfinite_skipped"] = U - oks.sum().astype(jnp.float32)
+        metrics["sampler_approx_kl"] = _approx_kl(lp0, beh_k, mask_k)
         all_ok = jnp.all(oks)
 
     ts = nnx.merge(graphdef, state)
