@@ -19,12 +19,13 @@ YNNPACK's to float rounding (relative 1.1e-5 at most), bit-identical between pro
 
 The same pair met a fault again in a program not checked before: with `model.remat_saves =
 "projections"` (every layer's projection outputs kept for the backward) the real model's update on
-two CPU devices (Zen 5 host, 2026-12-04) reported an entropy of 2.858 against 2.792 and an approx_kl
-of 0.267 against 3e-9 on the on-policy batch (gradients and loss still equal to YNNPACK's); on one
-device, or with YNNPACK's products, every metric agreed. So "auto" keeps Eigen's products only for
-the update programs they were checked on (`EIGEN_CHECKED_REMAT`) and gives the rest to YNNPACK,
-which on that program ran as fast (docs/performance.md, "Eigen's products under the projections
-rematerialisation").
+two CPU devices (Zen 5 host, 2026-12-04) reported token entropies of mean 2.854-2.858 against 2.792
+and an approx_kl of 0.27-0.28 against 3e-9 on the on-policy batch, different from process to
+process (gradients and loss still equal to YNNPACK's); on one device, or with YNNPACK's products,
+every metric agreed. So "auto" keeps Eigen's products only for the update programs they were
+checked on (`EIGEN_CHECKED_REMAT`) and gives the rest to YNNPACK, on which that program ran 3-4 %
+slower than on the faulty pair and as fast as the default remat (docs/performance.md, "`model.remat_saves =
+"projections"` computed wrong metrics on Eigen's products").
 
 `model.cpu_gemm`:
 

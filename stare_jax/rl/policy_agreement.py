@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-#: an on-policy approx_kl above this is a disagreement beyond any dtype's rounding (the module doc)
+#: a sampler_approx_kl above this is a disagreement beyond any dtype's rounding (the module doc)
 DISAGREEMENT_APPROX_KL = 0.05
 
 
