@@ -198,7 +198,9 @@ def main() -> None:
             hlo_glob = os.path.join(args.profile, "hlo", "*update*after_optimizations.txt")
             earlier = set(glob.glob(hlo_glob)) if args.profile else set()  # the programs of the settings before this one
             policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
-            state = create_train_state(policy.model, config, mesh=mesh)
+            # a setting with a KL term (`loss.kl_type`) gets its frozen reference: the same initial weights
+            ref = ours_peer.load_policy(workload, config, mesh).model if config.loss.kl_type != "none" else None
+            state = create_train_state(policy.model, config, mesh=mesh, ref_model=ref)
             update = make_update_step(config, mesh, state)
             arranged, packing = update.arrange(dict(batch))
             sharded = parallel.shard_batch(arranged, mesh)

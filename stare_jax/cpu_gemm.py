@@ -27,11 +27,19 @@ checked on (`EIGEN_CHECKED_REMAT`) and gives the rest to YNNPACK, on which that 
 slower than on the faulty pair and as fast as the default remat (docs/performance.md, "`model.remat_saves =
 "projections"` computed wrong metrics on Eigen's products").
 
+A third program met it (Zen 4 host, 2026-12-05): the update with a KL term to a frozen reference
+model (`loss.kl_type = "k3"`), whose step runs the reference's forward too, read a first-update
+`sampler_approx_kl` of 0.421 on two CPU devices with Eigen's products against 2.8e-9 on YNNPACK's,
+while every other update variant read 3e-11 to 3e-9 (docs/performance.md, "Every update path on
+Eigen's products, checked on the Zen 4 host"). So "auto" leaves an update with a reference model
+to XLA's defaults as well (`reference=True`).
+
 `model.cpu_gemm`:
 
     auto     (default) the update's products on Eigen, its reductions on YNNPACK
              (`EIGEN_PRODUCTS`), where the update's rematerialisation is one Eigen's products were
-             checked on (`EIGEN_CHECKED_REMAT`), else XLA's defaults; the rollout on XLA's
+             checked on (`EIGEN_CHECKED_REMAT`) and that runs no reference model, else XLA's
+             defaults; the rollout on XLA's
              defaults (its decode products are thin)
     ynnpack  XLA:CPU's defaults in both phases (YNNPACK's products and reductions), as every run
              before this setting
@@ -66,14 +74,17 @@ def remat_policy(model) -> str:
     return str(getattr(model, "remat_saves", "nothing")) if getattr(model, "remat", False) else "none"
 
 
-def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none") -> dict[str, Any]:
+def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none",
+                     reference: bool = False) -> dict[str, Any]:
     """The XLA compiler options for `phase` ("update" or "rollout") under `model.cpu_gemm = choice`
     on devices of `platform`, for an update whose layers rematerialise under `remat`
-    (`remat_policy`; see the module docstring); {} for XLA's defaults."""
+    (`remat_policy`) and which runs a frozen reference model's forward when `reference`
+    (`loss.kl_type`; unchecked, see the module docstring); {} for XLA's defaults."""
     if choice not in CHOICES:
         raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    if platform != "cpu" or choice == "ynnpack" or phase == "rollout" or remat not in EIGEN_CHECKED_REMAT:
+    if (platform != "cpu" or choice == "ynnpack" or phase == "rollout" or remat not in EIGEN_CHECKED_REMAT
+            or reference):
         return {}
     return dict(EIGEN_PRODUCTS)

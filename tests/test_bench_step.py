@@ -624,10 +624,14 @@ def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_p
     cache = tmp_path / "models"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_update.py"), "--workload", "smoke",
                         "--reps", "1", "--cpu-devices", "1", "--model-cache", str(cache),
-                        "--batch-cache", str(tmp_path / "batch.pkl"), "--vocab-chunk", "256"],
+                        "--batch-cache", str(tmp_path / "batch.pkl"), "--vocab-chunk", "256", "--setting", "{}",
+                        "--setting", json.dumps({"loss.kl_type": "k3", "loss.kl_coef": 0.01})],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out, with_kl = (json.loads(line) for line in r.stdout.strip().splitlines()[-2:])
+    # a setting with a KL term runs against its frozen reference (the same initial weights), on-policy too
+    assert with_kl["setting"] == {"loss.kl_type": "k3", "loss.kl_coef": 0.01}
+    assert with_kl["sampler_approx_kl"] < 1e-6 and len(with_kl["times_s"]) == 1 and "policy_disagreement" not in with_kl
     assert out["response_tokens"] == 4 * 4 * 16 and out["packed_capacity"] is None and out["devices"] == 1
     assert out["vocab_chunk"] == 256
     assert (cache / "synthetic_smoke" / "config.json").exists() and (tmp_path / "batch.pkl").exists()

@@ -54,6 +54,23 @@ def test_auto_keeps_eigens_products_only_for_the_rematerialisations_they_were_ch
         assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **options}, (remat, saves)
 
 
+def test_auto_leaves_an_update_with_a_reference_model_to_xlas_defaults():
+    """The KL-to-reference update read sampler_approx_kl 0.42 on Eigen's products on two devices
+    (Zen 4 host): its program gets no Eigen options, whatever the remat; without a KL term it does."""
+    assert compiler_options("update", "auto", platform="cpu", reference=True) == {}
+    assert update_lib.cpu_update_compiler_options("auto", "nothing", reference=True) == \
+        update_lib.CPU_UPDATE_COMPILER_OPTIONS
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    for kl_type, options in (("none", EIGEN_PRODUCTS), ("k3", {})):
+        config = make_config()
+        config.loss.kl_type = kl_type
+        config.loss.kl_coef = 0.01 if kl_type != "none" else 0.0
+        model = build_model(CFG, mesh=mesh, seed=0)
+        ref = build_model(CFG, mesh=mesh, seed=0)
+        step = make_update_step(config, mesh, create_train_state(model, config, mesh=mesh, ref_model=ref))
+        assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **options}, kl_type
+
+
 def _ynnpack_fusions(config, mesh, batch) -> list[str]:
     """The `op_name` of every YNNPACK fusion in the update step's optimised program under `config`."""
     ts = fresh_state(config, mesh)

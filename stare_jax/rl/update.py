@@ -95,12 +95,12 @@ from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_s
 CPU_UPDATE_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
-def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "none") -> dict:
+def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "none", reference: bool = False) -> dict:
     """The XLA options the update step compiles with on a CPU mesh: `CPU_UPDATE_COMPILER_OPTIONS`
-    and those of `model.cpu_gemm = cpu_gemm_choice` for a model rematerialising under `remat`
-    (`stare_jax.cpu_gemm`)."""
+    and those of `model.cpu_gemm = cpu_gemm_choice` for a model rematerialising under `remat`, with
+    a frozen reference model's forward in the step when `reference` (`stare_jax.cpu_gemm`)."""
     return {**CPU_UPDATE_COMPILER_OPTIONS,
-            **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu", remat=remat)}
+            **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu", remat=remat, reference=reference)}
 
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
@@ -504,7 +504,8 @@ class UpdateStep:
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
-        options = (cpu_update_compiler_options(settings.cpu_gemm, cpu_gemm.remat_policy(train_state.model))
+        options = (cpu_update_compiler_options(settings.cpu_gemm, cpu_gemm.remat_policy(train_state.model),
+                                               reference=settings.loss.uses_reference)
                    if cpu_options and platform == "cpu" else {})
         options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
                                                  dtype=getattr(train_state.model, "dtype", np.float32)))
