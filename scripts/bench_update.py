@@ -153,6 +153,7 @@ def main() -> None:
     from stare_jax.checkpoint import state_digest
     from stare_jax.rl import create_train_state, make_update_step
     from stare_jax.rl.policy_agreement import disagreement_line
+    from stare_jax.rl.settings import RLSettings
 
     mesh = parallel.mesh_from_config(base.mesh)
     for setting, config in zip(settings, configs):
@@ -199,7 +200,8 @@ def main() -> None:
             earlier = set(glob.glob(hlo_glob)) if args.profile else set()  # the programs of the settings before this one
             policy = ours_peer.load_policy(workload, config, mesh)  # the setting's dtype, remat, ...
             # a setting with a KL term (`loss.kl_type`) gets its frozen reference: the same initial weights
-            ref = ours_peer.load_policy(workload, config, mesh).model if config.loss.kl_type != "none" else None
+            uses_reference = RLSettings.from_config(config).loss.uses_reference
+            ref = ours_peer.load_policy(workload, config, mesh).model if uses_reference else None
             state = create_train_state(policy.model, config, mesh=mesh, ref_model=ref)
             update = make_update_step(config, mesh, state)
             arranged, packing = update.arrange(dict(batch))
