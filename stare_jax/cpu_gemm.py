@@ -33,10 +33,12 @@ model (`loss.kl_type = "k3"`), whose step runs the reference's forward too, read
 while every other update variant read 3e-11 to 3e-9 (docs/performance.md, "Every update path on
 Eigen's products, checked on the Zen 4 host"). So "auto" leaves an update with a reference model
 to XLA's defaults as well (`reference=True`).
-Every other update program a run can select was checked right on Eigen's products with the same
-figure (Zen 4 host, code of 9743f7f): each loss of the registry, STARE's C2 and adaptive variants,
-`loss.agg`, `loss.quadrants`, micro-batches, minibatches, epochs and the unshared prompt, all at
-3e-11 to 3e-9 (docs/performance.md, "The rest of the method family, checked the same way").
+
+Every other update variant was checked right on Eigen's products by the same figure, one setting
+at a time (Zen 4 host, code of 03028d3 and 9743f7f): each loss of the registry, STARE's C2 and
+adaptive variants, `loss.agg`, `loss.quadrants`, micro-batches, minibatches, epochs, the unshared
+prompt and `remat_saves = "mlp"`, all at 3e-11 to 3e-9 (docs/performance.md, "The rest of the
+method family, checked the same way").
 
 `model.cpu_gemm`:
 
