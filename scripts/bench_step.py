@@ -482,6 +482,9 @@ def main() -> None:
     ap.add_argument("--remat-saves", choices=("nothing", "mlp", "projections"), default="nothing",
                     help="stare-jax on the real-model workload (which rematerialises its layers): model.remat_saves, "
                          "what each layer keeps for the backward (default nothing: the whole layer is recomputed)")
+    ap.add_argument("--remat-saves-layers", type=int, default=-1,
+                    help="stare-jax: model.remat_saves_layers, how many layers (the last) keep what --remat-saves "
+                         "names; the others recompute everything (default -1: every layer)")
     ap.add_argument("--vocab-chunk", type=int, default=None,
                     help="stare-jax: model.vocab_chunk (default 1024 with --model on a CPU host, where "
                          "1,024-column chunks stay in cache: 1.16x the 8,192 default's update in full steps; "
@@ -597,7 +600,8 @@ def main() -> None:
         plan = [("stare-jax", "ours_peer.py", sys.executable,
                  dict(workload, loss="stare", paired_grpo=args.grpo, paired_setting=paired_setting, slots=args.slots,
                       compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
-                      pack_buckets=args.pack_buckets, remat_saves=args.remat_saves, vocab_chunk=args.vocab_chunk,
+                      pack_buckets=args.pack_buckets, remat_saves=args.remat_saves,
+                      remat_saves_layers=args.remat_saves_layers, vocab_chunk=args.vocab_chunk,
                       keep_logits_mb=args.keep_logits_mb, rollout_devices=args.rollout_devices,
                       gpu_gemm=args.gpu_gemm, cpu_gemm=args.cpu_gemm))]
         plan += [(p, f"{p}_peer.py", args.peer_python,
@@ -653,6 +657,7 @@ def main() -> None:
                                             for n, wk in zip([w.name for w in workers], workers)},
                       slots=args.slots, compact_min_rows=args.compact_min_rows, pack_tokens=args.pack_tokens,
                       pack_buckets=args.pack_buckets, remat_saves=args.remat_saves,
+                      remat_saves_layers=args.remat_saves_layers,
                       vocab_chunk=args.vocab_chunk, vocab_keep_logits_mb=args.keep_logits_mb,
                       rollout_devices=args.rollout_devices)
     result.update(shape=shape, workload="real" if real else common.synthetic_workload_name(args),

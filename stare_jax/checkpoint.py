@@ -60,7 +60,7 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "che
                      "test_freq", "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
-                     "model.remat", "model.remat_saves", "model.vocab_chunk", "model.vocab_keep_logits_mb",
+                     "model.remat", "model.remat_saves", "model.remat_saves_layers", "model.vocab_chunk", "model.vocab_keep_logits_mb",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
                      "rollout.compact_min_rows", "model.matmul_precision", "model.gpu_gemm",
                      "model.cpu_gemm")
@@ -77,6 +77,8 @@ ADDED_KEYS = {"stare.top_p_ratio_minus": 0.0,
               "rollout.compact_min_rows": 0,
               # what a rematerialised layer keeps (issue 20): "nothing" is the whole-layer remat of before
               "model.remat_saves": "nothing",
+              # how many layers keep it (issue 20): -1, every layer, as before
+              "model.remat_saves_layers": -1,
               # the precision of float32 products: "default" is each backend's own, as before
               "model.matmul_precision": "default",
               # the packed capacities' buckets (issue 20): the multiples of ppo.pack_tokens of before

@@ -75,6 +75,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.remat_saves = "nothing"      # what a rematerialised layer keeps: nothing (recompute it all) |
                                          #   mlp (its gate/up outputs; recompute the attention half) |
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
+    c.model.remat_saves_layers = -1      # how many layers keep what remat_saves names: the last k (whose
+                                         #   backward runs first); the others recompute everything. -1: all
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
     c.model.vocab_chunk = 8192           # vocabulary columns per step of the log-softmax / entropy pass (1024:
@@ -317,6 +319,7 @@ SCHEMA: dict[str, Field] = {
     "model.param_dtype": _choice("float32", "bfloat16"), "model.remat": _BOOL,
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
+    "model.remat_saves_layers": _int(-1),
     "model.vocab_keep_logits_mb": _int(0),
     "model.gpu_gemm": _choice(*GPU_GEMM_CHOICES), "model.cpu_gemm": _choice(*CPU_GEMM_CHOICES),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),

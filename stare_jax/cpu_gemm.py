@@ -38,7 +38,10 @@ Every other update variant was checked right on Eigen's products by the same fig
 at a time (Zen 4 host, code of 03028d3 and 9743f7f): each loss of the registry, STARE's C2 and
 adaptive variants, `loss.agg`, `loss.quadrants`, micro-batches, minibatches, epochs, the unshared
 prompt and `remat_saves = "mlp"`, all at 3e-11 to 3e-9 (docs/performance.md, "The rest of the
-method family, checked the same way").
+method family, checked the same way"); and the two-loop program of `remat_saves = "mlp"` in only
+the last layers (`model.remat_saves_layers` = 15 of 30, "nothing+mlp", code of 0fd1057) at 2.9e-9,
+its loss equal to whole-layer remat's to 4e-8 (docs/performance.md, "The MLP's outputs kept in only
+the last layers").
 
 `model.cpu_gemm`:
 
@@ -69,15 +72,22 @@ EIGEN_PRODUCTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "LIBRA
 
 #: the update's rematerialisation policies (`model.remat_saves` of a rematerialised model; "none":
 #: no rematerialisation) whose programs were checked right with Eigen's products on two CPU devices
-#: (the module docstring): the real model's whole-layer and "mlp" remat, the synthetic workloads
-#: and the tests' models without it
-EIGEN_CHECKED_REMAT = ("none", "nothing", "mlp")
+#: (the module docstring): the real model's whole-layer and "mlp" remat, "mlp" in only its last
+#: layers (`remat_policy`'s "nothing+mlp"), the synthetic workloads and the tests' models without it
+EIGEN_CHECKED_REMAT = ("none", "nothing", "mlp", "nothing+mlp")
 
 
 def remat_policy(model) -> str:
-    """The rematerialisation policy of `model`'s layers, as `EIGEN_CHECKED_REMAT` names it: its
-    `remat_saves` when `remat` is on, else "none"."""
-    return str(getattr(model, "remat_saves", "nothing")) if getattr(model, "remat", False) else "none"
+    """The rematerialisation policy of `model`'s layers, as `EIGEN_CHECKED_REMAT` names it: "none"
+    without `remat`; its `remat_saves` when every layer keeps it (`remat_saves_layers` -1 or at
+    least the depth; "nothing" when none does); "nothing+S" when only the last layers keep S (two
+    layer loops in the program)."""
+    if not getattr(model, "remat", False):
+        return "none"
+    saves, keep = str(getattr(model, "remat_saves", "nothing")), int(getattr(model, "remat_saves_layers", -1))
+    if saves == "nothing" or keep < 0 or keep >= model.config.num_layers:
+        return saves
+    return "nothing" if keep == 0 else f"nothing+{saves}"
 
 
 def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none",

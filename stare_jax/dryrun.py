@@ -208,6 +208,7 @@ def abstract_train_state(config, cfg, mesh=None):
         """The policy as the trainer builds it (dtype, parameter dtype, remat)."""
         return Decoder(cfg, dtype=DTYPES[config.model.dtype], param_dtype=DTYPES[config.model.param_dtype],
                        remat=config.model.remat, remat_saves=config.model.remat_saves,
+                       remat_saves_layers=config.model.remat_saves_layers,
                        scan_layers=config.model.scan_layers, mesh=mesh, rngs=nnx.Rngs(0))
 
     def make():
@@ -494,7 +495,9 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
     say(f"  devices {args.devices} x {args.chip} ({hbm / GIB:.0f} GiB each), mesh "
         + " x ".join(f"{a}={mesh.shape[a]}" for a in parallel.MESH_AXES)
         + f", dtype {config.model.dtype} / params {config.model.param_dtype}, remat {config.model.remat}"
-        + (f" (saves {config.model.remat_saves})" if config.model.remat else ""))
+        + (f" (saves {config.model.remat_saves}"
+           + (f" in the last {config.model.remat_saves_layers} layers" if config.model.remat_saves_layers >= 0 else "")
+           + ")" if config.model.remat else ""))
     say(f"  step: {B} prompts x {G} responses = {B * G} rows, prompt {P} + response {R} tokens; "
         f"{B * G // shards} rows per batch shard, update in {K} micro-batch(es) of {B * G // K // shards} rows "
         f"per shard")
@@ -521,7 +524,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         "rollout_mesh": {a: int(rmesh.shape[a]) for a in parallel.MESH_AXES},
         "shape": {"prompts": B, "group_size": G, "rows": B * G, "prompt_len": P, "response_len": R,
                   "micro_batches": K, "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
-                  "remat": bool(config.model.remat), "remat_saves": config.model.remat_saves},
+                  "remat": bool(config.model.remat), "remat_saves": config.model.remat_saves,
+                  "remat_saves_layers": config.model.remat_saves_layers},
         "state_bytes_per_device": {**parts, "total": state_total},
     }
     phases: dict[str, dict] = {}

@@ -50,6 +50,7 @@ def policy_options(config) -> dict:
     builds the policy of a config (the trainer, the benchmarks' workers) takes them from here."""
     m = config.model
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_saves=m.remat_saves,
+                remat_saves_layers=m.remat_saves_layers,
                 scan_layers=m.scan_layers)
 
 

@@ -37,18 +37,24 @@ def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu
 
 
 def test_auto_keeps_eigens_products_only_for_the_rematerialisations_they_were_checked_on():
-    assert EIGEN_CHECKED_REMAT == ("none", "nothing", "mlp")
+    assert EIGEN_CHECKED_REMAT == ("none", "nothing", "mlp", "nothing+mlp")
     for remat in EIGEN_CHECKED_REMAT:
         assert compiler_options("update", "auto", platform="cpu", remat=remat) == EIGEN_PRODUCTS
     assert compiler_options("update", "auto", platform="cpu", remat="projections") == {}
     assert update_lib.cpu_update_compiler_options("auto", "projections") == update_lib.CPU_UPDATE_COMPILER_OPTIONS
     mesh = parallel.make_mesh(devices=jax.devices()[:1])
     config = make_config()
-    for remat, saves, policy, options in ((False, "projections", "none", EIGEN_PRODUCTS),
-                                          (True, "nothing", "nothing", EIGEN_PRODUCTS),
-                                          (True, "mlp", "mlp", EIGEN_PRODUCTS),
-                                          (True, "projections", "projections", {})):
-        model = build_model(CFG, mesh=mesh, seed=0, remat=remat, remat_saves=saves)
+    depth = CFG.num_layers
+    for remat, saves, keep, policy, options in ((False, "projections", -1, "none", EIGEN_PRODUCTS),
+                                                (True, "nothing", -1, "nothing", EIGEN_PRODUCTS),
+                                                (True, "nothing", 1, "nothing", EIGEN_PRODUCTS),
+                                                (True, "mlp", -1, "mlp", EIGEN_PRODUCTS),
+                                                (True, "mlp", depth, "mlp", EIGEN_PRODUCTS),
+                                                (True, "mlp", 0, "nothing", EIGEN_PRODUCTS),
+                                                (True, "mlp", 1, "nothing+mlp", EIGEN_PRODUCTS),
+                                                (True, "projections", -1, "projections", {}),
+                                                (True, "projections", 1, "nothing+projections", {})):
+        model = build_model(CFG, mesh=mesh, seed=0, remat=remat, remat_saves=saves, remat_saves_layers=keep)
         assert remat_policy(model) == policy
         step = make_update_step(config, mesh, create_train_state(model, config, mesh=mesh))
         assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **options}, (remat, saves)

@@ -146,6 +146,42 @@ def test_remat_policies_give_the_same_gradients_and_projections_are_not_recomput
         from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False, remat=True, remat_saves="dots")
 
 
+def test_saves_in_only_the_last_layers_split_the_loop_and_keep_the_gradients(tiny_checkpoints):
+    """`remat_saves_layers = k` keeps what `remat_saves` names in the last k layers only: the
+    gradients equal the plain model's, and the lowered program holds two layer loops whose
+    body of each kind (more matmuls in the text than either single-loop program); k = 0 is
+    whole-layer remat and k >= depth every layer's, each one loop."""
+    import re
+
+    from flax import nnx
+
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(9, 5, 2), seed=1)
+    loss = lambda m: (m(ids, mask) * mask[..., None]).sum()  # noqa: E731
+
+    def lowered(**kw):
+        model = from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False, remat=True, **kw).model
+        graphdef, state = nnx.split(model)
+        text = jax.jit(jax.grad(lambda s: loss(nnx.merge(graphdef, s)))).lower(state).as_text()
+        grads = jax.tree.leaves(nnx.state(nnx.grad(loss)(model), nnx.Param))
+        return grads, len(re.findall(r"stablehlo.dot_general", text)), len(re.findall(r"stablehlo.while", text))
+
+    plain = jax.tree.leaves(nnx.state(nnx.grad(loss)(
+        from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False).model), nnx.Param))
+    whole, n_whole, loops_whole = lowered()
+    mlp, n_mlp, loops_mlp = lowered(remat_saves="mlp")
+    split, n_split, loops_split = lowered(remat_saves="mlp", remat_saves_layers=1)
+    none_kept, n_none, _ = lowered(remat_saves="mlp", remat_saves_layers=0)
+    all_kept, n_all, _ = lowered(remat_saves="mlp", remat_saves_layers=5)
+    assert (n_none, n_all) == (n_whole, n_mlp)
+    assert n_split > n_whole > n_mlp, (n_split, n_whole, n_mlp)  # a scanned body's matmuls appear once
+    assert loops_split == 2 * loops_whole and loops_mlp == loops_whole, (loops_split, loops_whole, loops_mlp)
+    for grads in (whole, mlp, split, none_kept, all_kept):
+        for a, b in zip(grads, plain):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="remat_saves_layers"):
+        from_pretrained(tiny_checkpoints["qwen2"], load_tokenizer=False, remat=True, remat_saves_layers=-2)
+
+
 def test_rope_table_rows_equal_the_direct_angles(tiny_checkpoints):
     """`rope_angles` read from a `rope_table` gives bitwise the angles computed from the positions
     (the table is an optimisation), under jit, for each family's RoPE scaling."""

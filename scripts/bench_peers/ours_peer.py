@@ -53,6 +53,7 @@ def bench_config(workload: dict):
     c.model.scan_layers = real  # unrolled layers: faster at the synthetic depths on CPU; scanned at 30 layers
     c.model.remat = real  # 64 x ~340 tokens x 30 layers of activations need rematerialisation (as TRL's checkpointing)
     c.model.remat_saves = w.get("remat_saves", "nothing")
+    c.model.remat_saves_layers = w.get("remat_saves_layers", -1)
     c.mesh.cpu_devices = w.get("cpu_devices", 0)  # on CPU: one JAX device per core, rows split over them
     c.mesh.rollout_devices = w.get("rollout_devices", 0)  # 0: decode on the update's mesh
     c.data.prompt_batch_size = w["num_prompts"]
