@@ -79,15 +79,15 @@ EIGEN_CHECKED_REMAT = ("none", "nothing", "mlp", "nothing+mlp")
 
 def remat_policy(model) -> str:
     """The rematerialisation policy of `model`'s layers, as `EIGEN_CHECKED_REMAT` names it: "none"
-    without `remat`; its `remat_saves` when every layer keeps it (`remat_saves_layers` -1 or at
-    least the depth; "nothing" when none does); "nothing+S" when only the last layers keep S (two
-    layer loops in the program)."""
+    without `remat`; its `remat_saves` when every layer keeps it (`Decoder.saving_layers` equal to
+    the depth; "nothing" when none does); "nothing+S" when only the last layers keep S (two layer
+    loops in the program)."""
     if not getattr(model, "remat", False):
         return "none"
-    saves, keep = str(getattr(model, "remat_saves", "nothing")), int(getattr(model, "remat_saves_layers", -1))
-    if saves == "nothing" or keep < 0 or keep >= model.config.num_layers:
-        return saves
-    return "nothing" if keep == 0 else f"nothing+{saves}"
+    saves, keep = str(model.remat_saves), model.saving_layers
+    if keep == 0:
+        return "nothing"
+    return saves if keep == model.config.num_layers else f"nothing+{saves}"
 
 
 def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none",

@@ -148,9 +148,9 @@ def test_remat_policies_give_the_same_gradients_and_projections_are_not_recomput
 
 def test_saves_in_only_the_last_layers_split_the_loop_and_keep_the_gradients(tiny_checkpoints):
     """`remat_saves_layers = k` keeps what `remat_saves` names in the last k layers only: the
-    gradients equal the plain model's, and the lowered program holds two layer loops whose
-    body of each kind (more matmuls in the text than either single-loop program); k = 0 is
-    whole-layer remat and k >= depth every layer's, each one loop."""
+    gradients equal the plain model's, and the lowered program holds two layer loops, one body of
+    each kind (more matmuls in the text than either single-loop program); k = 0 is whole-layer
+    remat and k >= depth every layer's, each one loop."""
     import re
 
     from flax import nnx

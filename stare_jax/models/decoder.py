@@ -312,6 +312,15 @@ class Decoder(nnx.Module):
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
         return embed, rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table), biases
 
+    @property
+    def saving_layers(self) -> int:
+        """How many layers (the last) keep what `remat_saves` names in the backward: 0 without
+        `remat` or with "nothing", else `remat_saves_layers` clipped to the depth (-1: every layer)."""
+        if not self.remat or self.remat_saves == "nothing":
+            return 0
+        L = self.config.num_layers
+        return L if self.remat_saves_layers < 0 else min(self.remat_saves_layers, L)
+
     def _run_layers(self, layer, carry, per_layer=None, params=None):
         """Scans `layer(carry, params, per_layer_slice) -> (carry, out)` over the stacked layers
         (`params`: the stacked arrays, default this model's; fused when `fused_projections`, each
@@ -326,14 +335,13 @@ class Decoder(nnx.Module):
         scan = lambda f, c, xs: jax.lax.scan(f, c, xs, unroll=not self.scan_layers)  # noqa: E731
         if not self.remat:
             return scan(body, carry, (params, per_layer))
-        saving = jax.checkpoint(body, policy=REMAT_SAVES[self.remat_saves])
-        L = self.config.num_layers
-        keep = L if self.remat_saves_layers < 0 else min(self.remat_saves_layers, L)
-        if keep == L or self.remat_saves == "nothing":
-            return scan(saving, carry, (params, per_layer))
+        L, keep = self.config.num_layers, self.saving_layers
         plain = jax.checkpoint(body, policy=REMAT_SAVES["nothing"])
         if keep == 0:
             return scan(plain, carry, (params, per_layer))
+        saving = jax.checkpoint(body, policy=REMAT_SAVES[self.remat_saves])
+        if keep == L:
+            return scan(saving, carry, (params, per_layer))
         # Two loops: the first L - keep layers recompute everything, the last `keep` keep their values.
         lower, upper = (jax.tree.map(lambda a: a[:L - keep], (params, per_layer)),
                         jax.tree.map(lambda a: a[L - keep:], (params, per_layer)))
