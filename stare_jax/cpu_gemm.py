@@ -43,12 +43,18 @@ the last layers (`model.remat_saves_layers` = 15 of 30, "nothing+mlp", code of 0
 its loss equal to whole-layer remat's to 4e-8 (docs/performance.md, "The MLP's outputs kept in only
 the last layers").
 
+Eigen's products are float32 ones: a bfloat16 update (`model.dtype`) on them ran at Eigen's
+float32 rate (bf16 x bf16 products at 240 GFLOP/s on an Intel Xeon with AMX, 2 cores), where
+YNNPACK's bf16 kernels with a float32 result (`decoder.product_dtype`) ran at 820-1,550 GFLOP/s
+(docs/performance.md, "bfloat16 products on a CPU with AMX"). So "auto" leaves a bfloat16 update to
+XLA's defaults.
+
 `model.cpu_gemm`:
 
     auto     (default) the update's products on Eigen, its reductions on YNNPACK
-             (`EIGEN_PRODUCTS`), where the update's rematerialisation is one Eigen's products were
-             checked on (`EIGEN_CHECKED_REMAT`) and that runs no reference model, else XLA's
-             defaults; the rollout on XLA's
+             (`EIGEN_PRODUCTS`), where the update computes in float32, its rematerialisation is one
+             Eigen's products were checked on (`EIGEN_CHECKED_REMAT`) and it runs no reference
+             model, else XLA's defaults; the rollout on XLA's
              defaults (its decode products are thin)
     ynnpack  XLA:CPU's defaults in both phases (YNNPACK's products and reductions), as every run
              before this setting
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from stare_jax.config import CPU_GEMM_CHOICES as CHOICES
 
 PHASES = ("update", "rollout")
@@ -91,16 +98,16 @@ def remat_policy(model) -> str:
 
 
 def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none",
-                     reference: bool = False) -> dict[str, Any]:
+                     reference: bool = False, dtype: Any = "float32") -> dict[str, Any]:
     """The XLA compiler options for `phase` ("update" or "rollout") under `model.cpu_gemm = choice`
-    on devices of `platform`, for an update whose layers rematerialise under `remat`
-    (`remat_policy`) and which runs a frozen reference model's forward when `reference`
-    (`loss.kl_type`; unchecked, see the module docstring); {} for XLA's defaults."""
+    on devices of `platform`, for an update computing in `dtype` (`model.dtype`) whose layers
+    rematerialise under `remat` (`remat_policy`) and which runs a frozen reference model's forward
+    when `reference` (`loss.kl_type`; unchecked, see the module docstring); {} for XLA's defaults."""
     if choice not in CHOICES:
         raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     if (platform != "cpu" or choice == "ynnpack" or phase == "rollout" or remat not in EIGEN_CHECKED_REMAT
-            or reference):
+            or reference or np.dtype(dtype) != np.float32):
         return {}
     return dict(EIGEN_PRODUCTS)

@@ -236,13 +236,17 @@ def test_hand_written_norm_and_bias_gradients_match_autodiff():
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_projection_comes_out_of_the_product_with_a_float32_weight_gradient():
-    """`project` in bfloat16: the product itself returns bfloat16 (float32 accumulation, one
-    rounding: the float32 product cast to bfloat16, bit for bit), so no float32 [..., F] array is
-    made and cast; the float32 weight's gradient is accumulated and returned in float32 (not
-    rounded through bfloat16), with or without a bias; in float32 nothing is cast at all."""
+def test_bfloat16_projection_rounds_once_with_a_float32_weight_gradient(monkeypatch):
+    """`project` in bfloat16: float32 accumulation and one rounding (the float32 product cast to
+    bfloat16, bit for bit). Where the product rounds its own result (an accelerator; here with
+    `CPU_FLOAT32_PRODUCTS` off, as in the dry run) no float32 [..., F] array is made and cast; on a
+    CPU backend the product returns float32 and is cast after it (`product_dtype`: that form
+    reaches YNNPACK's bf16 kernels), with the same values. The float32 weight's gradient is
+    accumulated and returned in float32 (not rounded through bfloat16), with or without a bias; in
+    float32 nothing is cast at all."""
     import jax.numpy as jnp
 
+    from stare_jax.models import decoder
     from stare_jax.models.decoder import project
 
     keys = jax.random.split(jax.random.key(5), 4)
@@ -250,19 +254,30 @@ def test_bfloat16_projection_comes_out_of_the_product_with_a_float32_weight_grad
     w = 0.1 * jax.random.normal(keys[1], (64, 48))
     b = jax.random.normal(keys[2], (48,))
     c = jax.random.normal(keys[3], (3, 5, 48)).astype(jnp.bfloat16)
-    y = project(h, w, None, jnp.bfloat16)
     want = jnp.einsum("btd,df->btf", h, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    assert y.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
-    jaxpr = str(jax.make_jaxpr(lambda h, w: project(h, w, None, jnp.bfloat16))(h, w))
-    assert "preferred_element_type=bfloat16" in jaxpr and "f32[3,5,48]" not in jaxpr
-    for bias in (None, b):
-        dw = jax.grad(lambda w: (project(h, w, bias, jnp.bfloat16).astype(jnp.float32) * c).sum())(w)
-        exact = jnp.einsum("btd,btf->df", h.astype(jnp.float32), c.astype(jnp.float32))
-        assert dw.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(dw), np.asarray(exact), rtol=1e-5, atol=1e-5)
-        # the bfloat16 rounding of the weight gradient the cast-then-project form made is gone
-        assert float(jnp.abs(dw - dw.astype(jnp.bfloat16).astype(jnp.float32)).max()) > 0
+    assert jax.default_backend() == "cpu" and decoder.product_dtype(jnp.bfloat16) == jnp.float32
+    assert decoder.product_dtype(jnp.float32) == jnp.float32
+    for on_cpu in (True, False):
+        monkeypatch.setattr(decoder, "CPU_FLOAT32_PRODUCTS", on_cpu)
+        y = project(h, w, None, jnp.bfloat16)
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
+        jaxpr = str(jax.make_jaxpr(lambda h, w: project(h, w, None, jnp.bfloat16))(h, w))
+        if on_cpu:
+            assert "preferred_element_type=float32" in jaxpr and "f32[3,5,48]" in jaxpr
+        else:
+            assert "preferred_element_type=bfloat16" in jaxpr and "f32[3,5,48]" not in jaxpr
+        for bias in (None, b):
+            dh, dw = jax.grad(lambda h, w: (project(h, w, bias, jnp.bfloat16).astype(jnp.float32) * c).sum(),
+                              argnums=(0, 1))(h, w)
+            exact = jnp.einsum("btd,btf->df", h.astype(jnp.float32), c.astype(jnp.float32))
+            assert dw.dtype == jnp.float32 and dh.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(dw), np.asarray(exact), rtol=1e-5, atol=1e-5)
+            # the bfloat16 rounding of the weight gradient the cast-then-project form made is gone
+            assert float(jnp.abs(dw - dw.astype(jnp.bfloat16).astype(jnp.float32)).max()) > 0
+            dh_want = jnp.einsum("btf,df->btd", c, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+            np.testing.assert_array_equal(np.asarray(dh, np.float32),
+                                          np.asarray(dh_want.astype(jnp.bfloat16), np.float32))
     f32 = str(jax.make_jaxpr(lambda h, w: project(h, w, None, jnp.float32))(h.astype(jnp.float32), w))
     assert "convert_element_type" not in f32
 

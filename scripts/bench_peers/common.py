@@ -204,12 +204,14 @@ def accelerator_sizes() -> tuple[int, ...]:
 
 def jax_matmul(n: int, dtype: str = "float32"):
     """`matmul_peak_gflops`'s product for JAX: a jitted n x n matmul of random `dtype` operands on the
-    default device, with XLA's default precision for that dtype (on a GPU float32 may use TF32)."""
+    default device, with XLA's default precision for that dtype (on a GPU float32 may use TF32),
+    accumulated and returned in float32 as stare-jax's products are (for bfloat16 operands on a CPU
+    that is what reaches YNNPACK's bf16 kernels: `stare_jax.models.decoder.product_dtype`)."""
     import jax
     import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x, y: x @ y)
+    f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     return lambda: f(a, a).block_until_ready()
 
 

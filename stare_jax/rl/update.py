@@ -95,12 +95,15 @@ from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_s
 CPU_UPDATE_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 
 
-def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "none", reference: bool = False) -> dict:
+def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "none", reference: bool = False,
+                                dtype=np.float32) -> dict:
     """The XLA options the update step compiles with on a CPU mesh: `CPU_UPDATE_COMPILER_OPTIONS`
-    and those of `model.cpu_gemm = cpu_gemm_choice` for a model rematerialising under `remat`, with
-    a frozen reference model's forward in the step when `reference` (`stare_jax.cpu_gemm`)."""
+    and those of `model.cpu_gemm = cpu_gemm_choice` for a model computing in `dtype` and
+    rematerialising under `remat`, with a frozen reference model's forward in the step when
+    `reference` (`stare_jax.cpu_gemm`)."""
     return {**CPU_UPDATE_COMPILER_OPTIONS,
-            **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu", remat=remat, reference=reference)}
+            **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu", remat=remat, reference=reference,
+                                        dtype=dtype)}
 
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
@@ -505,7 +508,8 @@ class UpdateStep:
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
         options = (cpu_update_compiler_options(settings.cpu_gemm, cpu_gemm.remat_policy(train_state.model),
-                                               reference=settings.loss.uses_reference)
+                                               reference=settings.loss.uses_reference,
+                                               dtype=getattr(train_state.model, "dtype", np.float32))
                    if cpu_options and platform == "cpu" else {})
         options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
                                                  dtype=getattr(train_state.model, "dtype", np.float32)))
