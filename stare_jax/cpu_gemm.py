@@ -45,7 +45,7 @@ the last layers").
 
 Eigen's products are float32 ones: a bfloat16 update (`model.dtype`) on them ran at Eigen's
 float32 rate (bf16 x bf16 products at 240 GFLOP/s on an Intel Xeon with AMX, 2 cores), where
-YNNPACK's bf16 kernels with a float32 result (`decoder.product_dtype`) ran at 820-1,550 GFLOP/s
+YNNPACK's bf16 kernels with a float32 result (`stare_jax.models.products.product_dtype`) ran at 820-1,550 GFLOP/s
 (docs/performance.md, "bfloat16 products on a CPU with AMX"). So "auto" leaves a bfloat16 update to
 XLA's defaults.
 

@@ -95,6 +95,43 @@ def test_auto_leaves_a_bfloat16_update_to_xlas_defaults():
         assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **options}, dtype
 
 
+def _projection_dot_operand_dtypes(monkeypatch, cpu_forms: bool) -> set[tuple[str, str]]:
+    """The operand dtypes of every product of the projections (forward, dh and dW; named by their
+    JAX operation) in the compiled update of a bfloat16 model on a CPU device, with
+    `products.CPU_FLOAT32_PRODUCTS` set to `cpu_forms`."""
+    import re
+
+    from stare_jax.models import products
+
+    monkeypatch.setattr(products, "CPU_FLOAT32_PRODUCTS", cpu_forms)
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    config = make_config()
+    ts = create_train_state(build_model(CFG, mesh=mesh, seed=0, dtype="bfloat16"), config, mesh=mesh)
+    step = make_update_step(config, mesh, ts)
+    batch = make_batch()
+    text = step.lower(nnx.state(ts), parallel.shard_batch(batch, mesh), jax.random.key(0),
+                      step.packing(batch)).compile().as_text()
+    dtype_of = {m.group(1): m.group(2) for m in re.finditer(r"%(\S+) = (\w+)\[", text)}
+    found = set()
+    for line in text.splitlines():
+        name = re.search(r'op_name="([^"]*)"', line)
+        if " dot(" in line and name and (name.group(1).endswith("closed_call/dot_general")
+                                         or "...d,df->...f" in name.group(1) or "...skm,...skn->...mn" in name.group(1)):
+            a, b = re.search(r"dot\(%(\S+?), %(\S+?)\)", line).groups()
+            found.add((dtype_of[a], dtype_of[b]))
+    return found
+
+
+def test_bfloat16_projections_reach_the_bf16_products_on_a_cpu(monkeypatch):
+    """XLA:CPU multiplies bf16 operands in YNNPACK's bf16 kernels (AMX / AVX512-BF16) only in the
+    forms of `stare_jax.models.products`; otherwise it converts both operands to float32 first
+    (3-6x slower on an Intel Xeon with AMX). In the compiled update of a bfloat16 model every
+    product of the projections, forward and backward, keeps its bf16 operands; the accelerator's
+    forms (the flag off, as in the dry run) make XLA:CPU convert them."""
+    assert _projection_dot_operand_dtypes(monkeypatch, True) == {("bf16", "bf16")}
+    assert ("f32", "f32") in _projection_dot_operand_dtypes(monkeypatch, False)
+
+
 def _ynnpack_fusions(config, mesh, batch) -> list[str]:
     """The `op_name` of every YNNPACK fusion in the update step's optimised program under `config`."""
     ts = fresh_state(config, mesh)

@@ -246,7 +246,7 @@ def test_bfloat16_projection_rounds_once_with_a_float32_weight_gradient(monkeypa
     float32 nothing is cast at all."""
     import jax.numpy as jnp
 
-    from stare_jax.models import decoder
+    from stare_jax.models import products
     from stare_jax.models.decoder import project
 
     keys = jax.random.split(jax.random.key(5), 4)
@@ -255,10 +255,10 @@ def test_bfloat16_projection_rounds_once_with_a_float32_weight_gradient(monkeypa
     b = jax.random.normal(keys[2], (48,))
     c = jax.random.normal(keys[3], (3, 5, 48)).astype(jnp.bfloat16)
     want = jnp.einsum("btd,df->btf", h, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    assert jax.default_backend() == "cpu" and decoder.product_dtype(jnp.bfloat16) == jnp.float32
-    assert decoder.product_dtype(jnp.float32) == jnp.float32
+    assert jax.default_backend() == "cpu" and products.product_dtype(jnp.bfloat16) == jnp.float32
+    assert products.product_dtype(jnp.float32) == jnp.float32
     for on_cpu in (True, False):
-        monkeypatch.setattr(decoder, "CPU_FLOAT32_PRODUCTS", on_cpu)
+        monkeypatch.setattr(products, "CPU_FLOAT32_PRODUCTS", on_cpu)
         y = project(h, w, None, jnp.bfloat16)
         assert y.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))

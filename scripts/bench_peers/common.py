@@ -206,7 +206,7 @@ def jax_matmul(n: int, dtype: str = "float32"):
     """`matmul_peak_gflops`'s product for JAX: a jitted n x n matmul of random `dtype` operands on the
     default device, with XLA's default precision for that dtype (on a GPU float32 may use TF32),
     accumulated and returned in float32 as stare-jax's products are (for bfloat16 operands on a CPU
-    that is what reaches YNNPACK's bf16 kernels: `stare_jax.models.decoder.product_dtype`)."""
+    that is what reaches YNNPACK's bf16 kernels: `stare_jax.models.products.product_dtype`)."""
     import jax
     import jax.numpy as jnp
 

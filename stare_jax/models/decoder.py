@@ -24,6 +24,7 @@ from stare_jax import parallel
 from stare_jax.models.attention import grouped_response_attention
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
 from stare_jax.models.packing import Packing, gather_packed, packed_inverse_index, packed_token_index, scatter_packed
+from stare_jax.models.products import dot_nt, dot_tn, product_dtype
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
 _MASK_VALUE = -1e30
@@ -43,27 +44,6 @@ REMAT_SAVES = {"nothing": jax.checkpoint_policies.nothing_saveable,
 
 LAYER_PARAM_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm",
                      "mlp_norm", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-
-
-#: Whether a projection whose result is in a low-precision dtype is computed with a float32 result and
-#: rounded after the product on a CPU backend (`product_dtype`). The dry run turns it off: its CPU
-#: compiles stand in for an accelerator's programs, which round inside the product.
-CPU_FLOAT32_PRODUCTS = True
-
-
-def product_dtype(out_dtype):
-    """The dtype a projection's product returns before it is cast to `out_dtype`: float32 for a
-    bfloat16 `out_dtype` on a CPU backend, else `out_dtype` itself.
-
-    XLA:CPU (jaxlib 0.10.2) runs a bf16 x bf16 product with a float32 result in YNNPACK's bf16
-    kernels (AMX tiles or AVX512-BF16 dot products where the CPU has them) and one with a bfloat16
-    result outside them: on an Intel Xeon with AMX (2 cores) 820-1,550 GFLOP/s against 190-240 for
-    the update's and the decode's shapes, the float32 result's cast included 740-1,120
-    (docs/performance.md, "bfloat16 products on a CPU with AMX"). On a GPU or TPU the product
-    rounds its own result and a separate cast would be a kernel of its own, so there it stays."""
-    if CPU_FLOAT32_PRODUCTS and jnp.dtype(out_dtype) != jnp.float32 and jax.default_backend() == "cpu":
-        return jnp.float32
-    return out_dtype
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -439,8 +419,8 @@ def dense(h: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     the compute dtype), rows of h and g flattened, the transposes on the smaller operands. Autodiff
     of the einsum gives the same values, but XLA:CPU then lays the backward out with a transpose of
     every [tokens, F] cotangent fused into a strided elementwise loop, which made the backward pass
-    ~2x slower on CPU. On a CPU backend a bfloat16 result is rounded after a float32 product
-    (`product_dtype`).
+    ~2x slower on CPU. A bfloat16 product on a CPU backend returns float32 and is rounded after,
+    and its backward takes the forms YNNPACK's bf16 kernels accept (`stare_jax.models.products`).
     """
     y = jnp.einsum("...d,df->...f", h, w.astype(h.dtype), preferred_element_type=product_dtype(out_dtype))
     return y.astype(out_dtype)
@@ -454,8 +434,8 @@ def _dense_grads(h, w, g):
     """(dh, dw) of h @ w for the cotangent g [..., F]: dh in h's dtype, dw accumulated in float32
     and returned in w's dtype."""
     g2 = g.reshape(-1, g.shape[-1]).astype(h.dtype)
-    dh = jnp.dot(g2, w.astype(h.dtype).T, preferred_element_type=product_dtype(h.dtype)).astype(h.dtype)
-    dw = jnp.dot(h.reshape(-1, h.shape[-1]).T, g2, preferred_element_type=jnp.float32)
+    dh = dot_nt(g2, w.astype(h.dtype), h.dtype)
+    dw = dot_tn(h.reshape(-1, h.shape[-1]), g2)
     return dh.reshape(h.shape), dw.astype(w.dtype)
 
 

@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from stare_jax.models.products import dot_nt, dot_tn
+
 _NEG = -1e30  # finite "minus infinity": keeps every shifted product finite
 
 
@@ -258,11 +260,10 @@ def _stats_bwd(spec: _Spec, residuals, cotangents):
         """(dh, dW_c) = (dz W_c^T, h^T dz); with h [S, M/S, D] blocks, dW_c is [S, D, C]: one
         partial sum per block."""
         dz = dz.astype(spec.dtype)
-        dh = jnp.dot(dz, w_c.astype(spec.dtype).T, preferred_element_type=jnp.float32)
+        dh = dot_nt(dz, w_c.astype(spec.dtype), jnp.float32)
         if h.ndim == 3:
-            return dh, jnp.einsum("smd,smc->sdc", h, dz.reshape(h.shape[:2] + dz.shape[1:]),
-                                  preferred_element_type=jnp.float32)
-        return dh, jnp.dot(h.T, dz, preferred_element_type=jnp.float32)
+            return dh, dot_tn(h, dz.reshape(h.shape[:2] + dz.shape[1:]))
+        return dh, dot_tn(h, dz)
 
     if C == V:
         dh, dw = grads(dlogits(logits, jnp.arange(V, dtype=jnp.int32)[None]), w_out)
