@@ -45,9 +45,11 @@ the last layers").
 
 Eigen's products are float32 ones: a bfloat16 update (`model.dtype`) on them ran at Eigen's
 float32 rate (bf16 x bf16 products at 240 GFLOP/s on an Intel Xeon with AMX, 2 cores), where
-YNNPACK's bf16 kernels with a float32 result (`stare_jax.models.products.product_dtype`) ran at 820-1,550 GFLOP/s
-(docs/performance.md, "bfloat16 products on a CPU with AMX"). So "auto" leaves a bfloat16 update to
-XLA's defaults.
+YNNPACK's bf16 kernels (`stare_jax.models.products`) ran at 820-1,550 GFLOP/s; and the real
+model's bfloat16 update on them (code of e524b13, two CPU devices, that host) read a first-update
+`sampler_approx_kl` of 0.68 in two processes against 7.1e-4 for the same batch on YNNPACK's
+(docs/performance.md, "bfloat16 products on a CPU with AMX"). So "auto" leaves a bfloat16 update
+to XLA's defaults.
 
 `model.cpu_gemm`:
 
