@@ -131,7 +131,8 @@ def with_process_count(overrides: list[str], processes: int, error) -> list[str]
 def force_cpu_devices(n: int, dump_dir: str | None = None) -> None:
     """Makes the CPU backend expose `n` devices and the only platform (and, with `dump_dir`, makes XLA
     write each compiled program's buffer assignment there), and makes the projections' products round
-their own results as on an accelerator (`products.CPU_FLOAT32_PRODUCTS`). Call before JAX initialises."""
+    their own results as on an accelerator (`products.CPU_FLOAT32_PRODUCTS`). Call before JAX
+    initialises."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(
         "--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={n}")
