@@ -71,6 +71,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from stare_jax.config import CPU_GEMM_CHOICES as CHOICES
 
 PHASES = ("update", "rollout")

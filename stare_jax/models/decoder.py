@@ -338,11 +338,9 @@ class Decoder(nnx.Module):
             return scan(body, carry, (params, per_layer))
         L, keep = self.config.num_layers, self.saving_layers
         plain = jax.checkpoint(body, policy=REMAT_SAVES["nothing"])
-        if keep == 0:
-            return scan(plain, carry, (params, per_layer))
         saving = jax.checkpoint(body, policy=REMAT_SAVES[self.remat_saves])
-        if keep == L:
-            return scan(saving, carry, (params, per_layer))
+        if keep in (0, L):  # one loop: no layer keeps anything, or every layer does
+            return scan(plain if keep == 0 else saving, carry, (params, per_layer))
         # Two loops: the first L - keep layers recompute everything, the last `keep` keep their values.
         lower, upper = (jax.tree.map(lambda a: a[:L - keep], (params, per_layer)),
                         jax.tree.map(lambda a: a[L - keep:], (params, per_layer)))
