@@ -169,6 +169,23 @@ def test_bad_dry_run_flags_exit_2_naming_them(capsys, flags, message):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_dry_run_devices_take_the_accelerator_forms():
+    """`force_cpu_devices` (the dry run's start, before JAX initialises) gives the CPU backend the
+    requested devices and turns the CPU backend's product forms off
+    (`products.CPU_FLOAT32_PRODUCTS`), so its compiles stand in for an accelerator's programs: a
+    bfloat16 projection rounds its own product; in a plain process on a CPU it returns float32."""
+    probe = ("from stare_jax.models import products\n{}import jax, jax.numpy as jnp\n"
+             "print(jax.device_count(), products.CPU_FLOAT32_PRODUCTS, jnp.dtype(products.product_dtype(jnp.bfloat16)).name)")
+    lines = {}
+    for name, start in (("dry run", "from stare_jax import dryrun\ndryrun.force_cpu_devices(3)\n"), ("plain", "")):
+        proc = subprocess.run([sys.executable, "-c", probe.format(start)], cwd=ROOT, text=True, capture_output=True,
+                              timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines[name] = proc.stdout.split()
+    assert lines["dry run"] == ["3", "False", "bfloat16"], lines
+    assert lines["plain"][1:] == ["True", "float32"], lines
+
+
 def test_sampler_shapes_take_each_phases_sampler_settings():
     """The training sampler takes rollout.slots and rollout.compact_min_rows, the evaluation sampler
     eval.slots (and the rollout's compaction), as the trainer passes them to `generate`; the spec
