@@ -11,9 +11,15 @@ the option sets alternating in rounds in one process. Forms: the forward x @ W, 
 g @ W^T, the weight gradient h^T @ g (left operand transposed, which XLA:CPU does not hand to
 YNNPACK), that product with h transposed first behind an optimization barrier, the forward
 and input gradient with the weight stored transposed ([f, d]: x @ W_t^T and g @ W_t), and the
-forward with a leading unit axis (the einsum form of `decoder.dense`).
+forward with a leading unit axis (the einsum form of `decoder.dense`), and the model's own input-
+and weight-gradient forms (`stare_jax.models.products.dot_nt` and `dot_tn`, which take their CPU
+forms for bfloat16 operands and are the plain products for float32). `--dtype bfloat16` gives
+every product bfloat16 operands, each accumulated and returned in float32 as the model's
+products on a CPU are (the form that reaches YNNPACK's bf16 kernels), and measures the peak the
+same way.
 
     python scripts/bench_matmul_shapes.py [--tokens 6144] [--repeats 5] [--rounds 2] [--devices 2]
+        [--dtype float32|bfloat16]
         [--options '{"defaults": {}, "eigen": {"xla_cpu_experimental_ynn_fusion_type": ""}}']
 
 It prints one JSON object: per option set and product, the best time and GFLOP/s a device (median
@@ -44,26 +50,36 @@ def default_option_sets() -> dict:
 
 
 def products(tokens: int, hidden: int, qkv: int, mlp: int, vocab_chunk: int, square: int):
-    """(name, operand shapes, function, FLOPs) of each timed product: 2·M·K·N FLOPs each."""
+    """(name, operand shapes, function, FLOPs) of each timed product: 2·M·K·N FLOPs each. Every
+    product accumulates and returns float32 (`preferred_element_type`), the same program as `a @ b`
+    for float32 operands."""
     import jax
     import jax.numpy as jnp
 
+    from stare_jax.models.products import dot_nt, dot_tn
+
+    def mm(a, b):
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
     t, d = tokens, hidden
-    rows = [(f"square {square}", [(square, square), (square, square)], lambda a, b: a @ b, 2 * square ** 3)]
+    rows = [(f"square {square}", [(square, square), (square, square)], mm, 2 * square ** 3)]
     for label, f in (("q/k/v", qkv), ("gate/up", 2 * mlp), ("vocab chunk", vocab_chunk)):
         rows += [
-            (f"{label} forward x@W", [(t, d), (d, f)], lambda x, w: x @ w, 2 * t * d * f),
-            (f"{label} dh g@W^T", [(t, f), (d, f)], lambda g, w: g @ w.T, 2 * t * d * f),
-            (f"{label} dW h^T@g", [(t, d), (t, f)], lambda h, g: h.T @ g, 2 * t * d * f),
-            (f"{label} forward, W stored [f,d]", [(t, d), (f, d)], lambda x, wt: x @ wt.T, 2 * t * d * f),
-            (f"{label} dh, W stored [f,d]", [(t, f), (f, d)], lambda g, wt: g @ wt, 2 * t * d * f),
+            (f"{label} forward x@W", [(t, d), (d, f)], mm, 2 * t * d * f),
+            (f"{label} dh g@W^T", [(t, f), (d, f)], lambda g, w: mm(g, w.T), 2 * t * d * f),
+            (f"{label} dW h^T@g", [(t, d), (t, f)], lambda h, g: mm(h.T, g), 2 * t * d * f),
+            (f"{label} forward, W stored [f,d]", [(t, d), (f, d)], lambda x, wt: mm(x, wt.T), 2 * t * d * f),
+            (f"{label} dh, W stored [f,d]", [(t, f), (f, d)], mm, 2 * t * d * f),
+            (f"{label} dh, the model's form", [(t, f), (d, f)], lambda g, w: dot_nt(g, w, jnp.float32),
+             2 * t * d * f),
+            (f"{label} dW, the model's form", [(t, d), (t, f)], dot_tn, 2 * t * d * f),
         ]
     rows += [
-        ("down forward x@W", [(t, mlp), (mlp, d)], lambda x, w: x @ w, 2 * t * d * mlp),
+        ("down forward x@W", [(t, mlp), (mlp, d)], mm, 2 * t * d * mlp),
         ("gate/up forward, leading unit axis", [(1, t, d), (d, 2 * mlp)],
-         lambda x, w: jnp.einsum("...d,df->...f", x, w), 2 * t * d * 2 * mlp),
+         lambda x, w: jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32), 2 * t * d * 2 * mlp),
         ("gate/up dW, h transposed first", [(t, d), (t, 2 * mlp)],
-         lambda h, g: jax.lax.optimization_barrier(jnp.transpose(h)) @ g, 2 * t * d * 2 * mlp),
+         lambda h, g: mm(jax.lax.optimization_barrier(jnp.transpose(h)), g), 2 * t * d * 2 * mlp),
     ]
     return rows
 
@@ -79,6 +95,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed calls a round (best taken)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, the option sets alternating")
     ap.add_argument("--devices", type=int, default=2, help="CPU devices, each multiplying at once")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the operands' dtype (every product accumulates and returns float32)")
     ap.add_argument("--options", default="",
                     help="JSON object: option-set name -> XLA compiler options (default: the update's "
                          "shipped options and the same with Eigen's matmuls)")
@@ -111,8 +129,8 @@ def main() -> None:
     compiled = {}
     for set_name, options in option_sets.items():
         for name, shapes, fn, _ in table:
-            operands = [jax.device_put(jax.random.normal(jax.random.key(i), (args.devices,) + s, jnp.float32),
-                                       NamedSharding(mesh, P("d"))) for i, s in enumerate(shapes)]
+            operands = [jax.device_put(jax.random.normal(jax.random.key(i), (args.devices,) + s, jnp.float32)
+                                       .astype(args.dtype), NamedSharding(mesh, P("d"))) for i, s in enumerate(shapes)]
             per_device = jax.shard_map(lambda *a, fn=fn: fn(*[x[0] for x in a])[None], mesh=mesh,
                                        in_specs=tuple(P("d") for _ in shapes), out_specs=P("d"))
             try:
@@ -134,8 +152,8 @@ def main() -> None:
                     best = min(best, time.perf_counter() - t0)
                 times[set_name, name].append(best)
     flops = {name: f for name, _, _, f in table}
-    result = {"host_cpu": common.host_cpu(), "jax": jax.__version__, "devices": args.devices,
-              "one_product_peak_gflops": common.matmul_peak_gflops(common.jax_matmul),
+    result = {"host_cpu": common.host_cpu(), "jax": jax.__version__, "devices": args.devices, "dtype": args.dtype,
+              "one_product_peak_gflops": common.matmul_peak_gflops(lambda n: common.jax_matmul(n, args.dtype)),
               "tokens_per_device": args.tokens, "option_sets": option_sets, "rounds": args.rounds,
               "products": {}}
     for set_name in option_sets:

@@ -769,20 +769,23 @@ def test_check_update_kernels_refuses_bad_input(tmp_path):
 def test_bench_matmul_shapes_times_every_product_under_each_option_set():
     """`scripts/bench_matmul_shapes.py` on tiny shapes: one JSON object with, for each option set,
     every product's GFLOP/s a device (positive, one best time per round) and the one-product peak
-    halved per device; options that are not an object of objects exit 2 with one line."""
+    halved per device, in float32 and with bfloat16 operands; options that are not an object of
+    objects exit 2 with one line."""
     script = os.path.join(ROOT, "scripts", "bench_matmul_shapes.py")
     small = ["--tokens", "64", "--hidden", "32", "--qkv", "16", "--mlp", "16", "--vocab-chunk", "32",
              "--square", "64", "--repeats", "1", "--rounds", "2", "--devices", "2"]
-    run = subprocess.run([sys.executable, script, *small], cwd=ROOT, env=subprocess_env(2),
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(result["products"]) == {"shipped", "ynnpack"} and result["devices"] == 2
-    for rows in result["products"].values():
-        assert len(rows) == 19 and "gate/up dW h^T@g" in rows and "square 64" in rows
-        assert "gate/up forward, W stored [f,d]" in rows and "vocab chunk dh, W stored [f,d]" in rows
-        assert all(r["gflops_per_device"] > 0 and len(r["best_s"]) == 2 for r in rows.values())
-    assert result["one_product_peak_per_device_gflops"] == round(result["one_product_peak_gflops"] / 2, 1)
+    for dtype in ("float32", "bfloat16"):
+        run = subprocess.run([sys.executable, script, *small, "--dtype", dtype], cwd=ROOT, env=subprocess_env(2),
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert set(result["products"]) == {"shipped", "ynnpack"} and result["devices"] == 2 and result["dtype"] == dtype
+        for rows in result["products"].values():
+            assert len(rows) == 25 and "gate/up dW h^T@g" in rows and "square 64" in rows
+            assert "gate/up forward, W stored [f,d]" in rows and "vocab chunk dh, W stored [f,d]" in rows
+            assert "gate/up dh, the model's form" in rows and "q/k/v dW, the model's form" in rows
+            assert all(r["gflops_per_device"] > 0 and len(r["best_s"]) == 2 for r in rows.values())
+        assert result["one_product_peak_per_device_gflops"] == round(result["one_product_peak_gflops"] / 2, 1)
     bad = subprocess.run([sys.executable, script, "--options", '{"a": 1}'], cwd=ROOT, env=subprocess_env(1),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--options must be a non-empty JSON object" in bad.stderr
