@@ -152,7 +152,7 @@ def main() -> None:
 
     from stare_jax.checkpoint import state_digest
     from stare_jax.rl import create_train_state, make_update_step
-    from stare_jax.rl.policy_agreement import disagreement_line
+    from stare_jax.rl.policy_agreement import disagreement_bound, disagreement_line
     from stare_jax.rl.settings import RLSettings
 
     mesh = parallel.mesh_from_config(base.mesh)
@@ -256,7 +256,8 @@ def main() -> None:
                                                       jax.device_count())
             if args.digest_out:
                 write_digest(args.digest_out, setting, leaves, out)
-            disagreement = disagreement_line(first_metrics)
+            disagreement = disagreement_line(first_metrics, disagreement_bound(
+                config.model.dtype, config.model.matmul_precision, mesh.devices.flat[0].platform))
             if disagreement:  # the setting's figures are those of a program that computes wrong values
                 print(f"bench_update: --setting {json.dumps(setting)}: {disagreement}", file=sys.stderr, flush=True)
                 result["policy_disagreement"] = disagreement

@@ -27,7 +27,7 @@ from stare_jax import workdir as workdir_lib
 from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups_to_generate, groups_with_spread
 from stare_jax.models import Policy, from_pretrained
 from stare_jax.models.hf import abstract_model, load_config, load_tokenizer_dir
-from stare_jax.rl.policy_agreement import disagreement_line
+from stare_jax.rl.policy_agreement import disagreement_bound, disagreement_line
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -484,6 +484,8 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     row: dict = {}
     compilations = CompilationCounter()
     disagreement_seen = False  # warned once: the update's log-probs against the sampler's (rl/policy_agreement.py)
+    agreement_bound = disagreement_bound(config.model.dtype, config.model.matmul_precision,
+                                         mesh.devices.flat[0].platform)
     try:
         if (start == 0 and config.eval.enabled and config.eval.at_start
                 and not os.path.exists(os.path.join(workdir, "eval", "step_0.json"))):
@@ -513,7 +515,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                                                  jax.random.fold_in(step_key, 1), packing=packing)
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
             t2 = time.perf_counter()
-            disagreement = disagreement_line(update_metrics)
+            disagreement = disagreement_line(update_metrics, agreement_bound)
             if disagreement and not disagreement_seen:
                 log.warning("step %d: %s (warned once; every step's is in metrics.jsonl)", step, disagreement)
                 disagreement_seen = True

@@ -9,7 +9,8 @@ import numpy as np
 from flax import nnx
 
 from stare_jax import parallel
-from stare_jax.rl.policy_agreement import DISAGREEMENT_APPROX_KL, disagreement_line
+from stare_jax.rl.policy_agreement import (DISAGREEMENT_APPROX_KL, FULL_FLOAT32_APPROX_KL, disagreement_bound,
+                                           disagreement_line)
 from stare_jax.rl.update import make_update_step, response_token_stats
 from tests.test_rl_update import R, fresh_state, make_batch, make_config, mesh8  # noqa: F401 (a fixture)
 from tests.test_train_e2e import _config
@@ -24,6 +25,21 @@ def test_only_a_disagreement_far_above_rounding_is_reported():
     assert "model.cpu_gemm=ynnpack" in line and "\n" not in line
     assert disagreement_line({"sampler_approx_kl": math.nan}) is None  # a skipped step: nonfinite_skipped
     assert disagreement_line({"approx_kl": 0.267}) is None  # later mini-batches' drift is not a disagreement
+
+
+def test_full_float32_phases_are_held_to_a_tighter_bound():
+    """Both phases in full float32 (a float32 model on a CPU, or full-float32 products elsewhere)
+    round to 3e-9 at most, so a disagreement of 0.0197 (a wrong program seen on a CPU) is reported
+    there; bfloat16, TF32 and a TPU's default products keep the 0.05 bound."""
+    assert disagreement_bound("float32", "default", "cpu") == FULL_FLOAT32_APPROX_KL == 1e-3
+    assert disagreement_bound("float32", "float32", "gpu") == FULL_FLOAT32_APPROX_KL
+    for args in (("bfloat16", "default", "cpu"), ("float32", "default", "gpu"), ("float32", "tensorfloat32", "gpu"),
+                 ("float32", "default", "tpu"), ("bfloat16", "float32", "gpu")):
+        assert disagreement_bound(*args) == DISAGREEMENT_APPROX_KL, args
+    assert disagreement_line({"sampler_approx_kl": 0.0197}) is None
+    line = disagreement_line({"sampler_approx_kl": 0.0197}, FULL_FLOAT32_APPROX_KL)
+    assert "sampler_approx_kl 0.0197 (rounding gives < 0.001)" in line and "\n" not in line
+    assert disagreement_line({"sampler_approx_kl": 3e-9}, FULL_FLOAT32_APPROX_KL) is None
 
 
 def _k3(log_probs, old, mask):
@@ -60,9 +76,11 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
 
     real_collect = trainer.collect_batch
 
-    def collect_with_shifted_log_probs(*args, **kwargs):  # a sampler that reports other log-probs
+    def collect_with_shifted_log_probs(*args, **kwargs):  # a sampler that reports other log-probs: off by
+        # 0.2 nat, sampler_approx_kl (e^0.2 - 1) - 0.2 = 0.0214, under the 0.05 bound but above the
+        # full-float32 one that this float32 model on a CPU is held to
         batch, metrics = real_collect(*args, **kwargs)
-        batch = dict(batch, old_log_probs=np.asarray(batch["old_log_probs"]) - 1.0)
+        batch = dict(batch, old_log_probs=np.asarray(batch["old_log_probs"]) - 0.2)
         return batch, metrics
 
     model, data = tiny_model
@@ -76,3 +94,4 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
         trainer.train(config, str(tmp_path / "disagree"))
     warned = [r.getMessage() for r in caplog.records if "disagree" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("step 0: the update's log-probs disagree"), warned
+    assert "(rounding gives < 0.001)" in warned[0], warned
