@@ -37,10 +37,11 @@ def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu
 
 
 def test_auto_keeps_eigens_products_only_for_the_rematerialisations_they_were_checked_on():
-    assert EIGEN_CHECKED_REMAT == ("none", "nothing", "mlp", "nothing+mlp")
+    assert EIGEN_CHECKED_REMAT == ("none", "nothing", "mlp")
     for remat in EIGEN_CHECKED_REMAT:
         assert compiler_options("update", "auto", platform="cpu", remat=remat) == EIGEN_PRODUCTS
-    assert compiler_options("update", "auto", platform="cpu", remat="projections") == {}
+    for remat in ("projections", "nothing+mlp"):  # wrong metrics seen on Eigen's products (cpu_gemm's docstring)
+        assert compiler_options("update", "auto", platform="cpu", remat=remat) == {}
     assert update_lib.cpu_update_compiler_options("auto", "projections") == update_lib.CPU_UPDATE_COMPILER_OPTIONS
     mesh = parallel.make_mesh(devices=jax.devices()[:1])
     config = make_config()
@@ -51,7 +52,7 @@ def test_auto_keeps_eigens_products_only_for_the_rematerialisations_they_were_ch
                                                 (True, "mlp", -1, "mlp", EIGEN_PRODUCTS),
                                                 (True, "mlp", depth, "mlp", EIGEN_PRODUCTS),
                                                 (True, "mlp", 0, "nothing", EIGEN_PRODUCTS),
-                                                (True, "mlp", 1, "nothing+mlp", EIGEN_PRODUCTS),
+                                                (True, "mlp", 1, "nothing+mlp", {}),
                                                 (True, "projections", -1, "projections", {}),
                                                 (True, "projections", 1, "nothing+projections", {})):
         model = build_model(CFG, mesh=mesh, seed=0, remat=remat, remat_saves=saves, remat_saves_layers=keep)
