@@ -54,8 +54,8 @@ Zen 4 host with 15 of 30 layers (2.9e-9, code of 0fd1057), read a first-update `
 of 0.0197 with the last 8 layers in one of four processes on the real model's batch (2.98e-9 in
 the other three, 2.94e-9 on YNNPACK's products; the state after two updates bit-identical to a
 right process's: the reported log-probs were wrong, not the step). So "auto" leaves that program to
-XLA's defaults as well (docs/performance.md, "A fifth program on Eigen's products, oneDNN's
-fusions and the bfloat16 update's account").
+XLA's defaults as well (docs/performance.md, "The MLP's outputs kept in the last layers on
+Eigen's products, oneDNN's fusions, and the bfloat16 update's account").
 
 `model.cpu_gemm`:
 
