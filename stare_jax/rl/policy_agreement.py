@@ -6,13 +6,13 @@ the rounding of two programs, and the update step's
 
     sampler_approx_kl = mean_t [(r_t - 1) - log r_t]   (token mean over the batch)
 
-is ~0: 1e-9 to 1e-5 in float32 runs, at most 0.0027 in the H100's bfloat16 recipe (its on-policy
-`approx_kl`, the same figure: docs/bench/h100/recipe_*_metrics.jsonl); 3e-11 to 3e-9 where both
-compute in full float32 on a CPU. A kernel that computes wrong
+is ~0: 1e-9 to 1e-5 in float32 runs (3e-11 to 3e-9 where both phases compute in full float32 on
+a CPU), at most 0.0027 in the H100's bfloat16 recipe (its on-policy `approx_kl`, the same figure:
+docs/bench/h100/recipe_*_metrics.jsonl). A kernel that computes wrong
 values reads far above that: XLA:CPU's Eigen products on two CPU devices gave 0.81 (wrong hidden
 states, the section "Eigen's matmuls in the update gave wrong results on two CPU devices" of
 docs/performance.md) and 0.27-0.28 under the "projections" rematerialisation
-(stare_jax/cpu_gemm.py), with the loss and its gradients still plausible, and 0.0197 in one of two
+(stare_jax/cpu_gemm.py), with the loss and its gradients still plausible, and 0.0197 in one of four
 processes with the MLP's outputs kept in the last 8 layers (Intel Xeon with AMX). The trainer
 checks every step against `disagreement_bound` (0.05, or 1e-3 where both phases compute in full
 float32) and warns once, so such a fault is seen on the first step, not in a study's curves.
