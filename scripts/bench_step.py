@@ -184,7 +184,7 @@ class Worker:
                      if k in ("step_s", "rollout_s", "update_s", "reward_s", "tokens", "compilations",
                               "packed_capacity", "response_lens", "update_sys_s", "update_minor_faults",
                               "step_peak_rss_mb", "cache_emptied_at_switch",
-                              "grpo_update_s", "paired_update_s")}
+                              "grpo_update_s", "paired_update_s", "sampler_approx_kl", "policy_disagreement")}
                     for st in self.steps],
                 **{k: v for k, v in self.info.items() if k != "ready"}}
 
@@ -697,6 +697,12 @@ def main() -> None:
             which: round(statistics.median(step_flops(s) / s[key] / (peak * 1e9) for s in steps), 3)
             for which, key in (("main", "update_s"), ("paired", "paired_update_s"))}
     result.update(steady_state(result))
+    wrong = [i for i, st in enumerate(result["participants"]["stare-jax"]["per_step"]) if "policy_disagreement" in st]
+    if wrong:  # stare-jax's figures for those steps are those of a program that computes wrong values
+        result["policy_disagreement_steps"] = wrong
+        print(f"bench_step: stare-jax's update disagreed with its sampler in timed steps {wrong}: "
+              f"{result['participants']['stare-jax']['per_step'][wrong[0]]['policy_disagreement']}",
+              file=sys.stderr, flush=True)
     print(json.dumps(result))
 
 

@@ -28,6 +28,8 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     ours = out["participants"]["stare-jax"]
     assert ours["steps"] == 2 and ours["loss"] == "stare" and out["protocol"] == "alternate"
     assert out["warmup_rounds"] == 1 and len(ours["per_step"]) == 2  # the warm-up round is not timed
+    # each timed update's forward against its sampler, held to the trainer's bound (full float32 on a CPU)
+    assert all(0 <= st["sampler_approx_kl"] < 1e-3 for st in ours["per_step"]) and "policy_disagreement_steps" not in out
     assert out["matmul_precision"] == ours["matmul_precision"] == "default"
     assert 0 < out["update_mfu"] < 1
     # The framework's own float32 matmul peak and the host it was measured on (ratios depend on both).

@@ -186,6 +186,7 @@ def serve(workload: dict, config) -> None:
     from stare_jax.compilation import CompilationCounter
     from stare_jax.rewards import RewardPool
     from stare_jax.rl import create_train_state, make_update_step
+    from stare_jax.rl.policy_agreement import disagreement_bound, disagreement_line
     from stare_jax.trainer import collect_batch
 
     mesh = parallel.mesh_from_config(config.mesh)
@@ -230,6 +231,8 @@ def serve(workload: dict, config) -> None:
         return state, out, wall
 
     compilations = CompilationCounter()
+    agreement_bound = disagreement_bound(config.model.dtype, config.model.matmul_precision,
+                                         mesh.devices.flat[0].platform)
 
     def one_step() -> dict:
         nonlocal train_state, step
@@ -262,6 +265,11 @@ def serve(workload: dict, config) -> None:
                   "step_s": t1 - t0 + update_s, "tokens": tokens, "loss": float(out["loss"]),
                   "peak_rss_mb": common.peak_rss_mb(), "step_peak_rss_mb": common.window_peak_rss_mb(),
                   **update_kernel}
+        if "sampler_approx_kl" in out:  # the update's forward against the sampler, as the trainer checks it
+            result["sampler_approx_kl"] = float(out["sampler_approx_kl"])
+            disagreement = disagreement_line(result, agreement_bound)
+            if disagreement:  # this step's figures are those of a program that computes wrong values
+                result["policy_disagreement"] = disagreement
         result["compilations"] = compilations.take()  # > 0 after warm-up: a new packed capacity (or shape)
         result["cache_emptied_at_switch"] = switched
         if packing is not None:
