@@ -93,6 +93,23 @@ EIGEN_PRODUCTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "LIBRA
 EIGEN_CHECKED_REMAT = ("none", "nothing", "mlp")
 
 
+def uses_eigen_products(options: dict[str, Any]) -> bool:
+    """Whether a program compiled with XLA `options` runs its products on Eigen's kernels
+    (`EIGEN_PRODUCTS` among them)."""
+    return all(options.get(k) == v for k, v in EIGEN_PRODUCTS.items())
+
+
+def with_choice(config, choice: str):
+    """A copy of `config` with `model.cpu_gemm = choice` (the trainer's fallback off Eigen's products
+    after its update disagreed with the sampler: `stare_jax.rl.policy_agreement`)."""
+    if choice not in CHOICES:
+        raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
+    out = config.copy_and_resolve_references()
+    with out.unlocked():
+        out.model.cpu_gemm = choice
+    return out
+
+
 def remat_policy(model) -> str:
     """The rematerialisation policy of `model`'s layers, as `EIGEN_CHECKED_REMAT` names it: "none"
     without `remat`; its `remat_saves` when every layer keeps it (`Decoder.saving_layers` equal to

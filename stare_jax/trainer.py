@@ -20,7 +20,7 @@ import numpy as np
 
 from stare_jax import checkpoint as ckpt_lib
 from stare_jax import config as config_lib
-from stare_jax import allocator, compilation, distributed, parallel
+from stare_jax import allocator, compilation, cpu_gemm, distributed, parallel
 from stare_jax.compilation import CompilationCounter
 from stare_jax import precision, preemption
 from stare_jax import workdir as workdir_lib
@@ -486,6 +486,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     disagreement_seen = False  # warned once: the update's log-probs against the sampler's (rl/policy_agreement.py)
     agreement_bound = disagreement_bound(config.model.dtype, config.model.matmul_precision,
                                          mesh.devices.flat[0].platform)
+    rebuilt_at = -2  # the step after which the update was rebuilt off Eigen's products (its next step compiles)
     try:
         if (start == 0 and config.eval.enabled and config.eval.at_start
                 and not os.path.exists(os.path.join(workdir, "eval", "step_0.json"))):
@@ -521,6 +522,15 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                 disagreement_seen = True
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
                    "step_s": t2 - t0, "compilations": compilations.take()}
+            if disagreement and cpu_gemm.uses_eigen_products(update.compiler_options):
+                # Eigen's products are the kernels seen computing wrong values (stare_jax.cpu_gemm): the
+                # rest of this run's updates compile on XLA:CPU's defaults; this step stands as computed
+                update = make_update_step(cpu_gemm.with_choice(config, "ynnpack"), mesh, train_state)
+                row["cpu_gemm_fallback"] = 1
+                rebuilt_at = step
+                log.warning("step %d: the update step is rebuilt on XLA:CPU's default kernels (model.cpu_gemm="
+                            "ynnpack) for the rest of this run; a resumed run starts on model.cpu_gemm=%s again",
+                            step, config.model.cpu_gemm)
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
             if allocator.releases_on_compile() > releases:
@@ -529,7 +539,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             if step == start and compilation.persistent_cache_hits():
                 log.info("loaded %d XLA programs from the compilation cache %s (up to the end of the first step)",
                          compilation.persistent_cache_hits(), compilation.cache_dir())
-            if step > start and row["compilations"]:
+            if step > start and row["compilations"] and step != rebuilt_at + 1:
                 log.warning("step %d compiled %d XLA programs (prompt bucket %d%s): shapes changed since the first "
                             "step", step, row["compilations"], row["prompt_len"],
                             "" if packing is None else f", packed capacity {packing.capacity}")

@@ -36,6 +36,21 @@ def test_each_choice_names_its_kernels_for_the_update_only_and_nothing_off_a_cpu
         compiler_options("prefill", "auto", platform="cpu")
 
 
+def test_the_trainers_fallback_config_leaves_eigens_products():
+    """`with_choice` copies a config with another `model.cpu_gemm` (the original unchanged, an unknown
+    choice refused); `uses_eigen_products` tells the shipped update's options from XLA's defaults."""
+    from stare_jax.cpu_gemm import uses_eigen_products, with_choice
+
+    config = make_config(**{"model.cpu_gemm": "auto"})
+    fallback = with_choice(config, "ynnpack")
+    assert fallback.model.cpu_gemm == "ynnpack" and config.model.cpu_gemm == "auto"
+    with pytest.raises(ValueError, match="model.cpu_gemm"):
+        with_choice(config, "eigen")
+    assert uses_eigen_products(update_lib.cpu_update_compiler_options("auto"))
+    assert not uses_eigen_products(update_lib.cpu_update_compiler_options("ynnpack"))
+    assert not uses_eigen_products({})
+
+
 def test_auto_keeps_eigens_products_only_for_the_rematerialisations_they_were_checked_on():
     assert EIGEN_CHECKED_REMAT == ("none", "nothing", "mlp")
     for remat in EIGEN_CHECKED_REMAT:

@@ -1,6 +1,7 @@
 """The update's log-probs against the sampler's (`stare_jax.rl.policy_agreement`): an on-policy
 step whose approx_kl is far above rounding gets one warning from the trainer, naming the step."""
 
+import json
 import logging
 import math
 
@@ -95,3 +96,16 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
     warned = [r.getMessage() for r in caplog.records if "disagree" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("step 0: the update's log-probs disagree"), warned
     assert "(rounding gives < 0.001)" in warned[0], warned
+    # On a CPU with Eigen's products (model.cpu_gemm = "auto") the update is rebuilt on XLA's defaults
+    # after the disagreeing step, once, recorded in that step's row; the next step's compilation is
+    # not reported as a shape change, and the run ends
+    messages = [r.getMessage() for r in caplog.records]
+    rebuilt = [m for m in messages if "rebuilt on XLA:CPU's default kernels" in m]
+    assert len(rebuilt) == 1 and rebuilt[0].startswith("step 0: the update step is rebuilt"), messages
+    assert "model.cpu_gemm=auto again" in rebuilt[0] and not [m for m in messages if "shapes changed" in m], messages
+    rows = [json.loads(line) for line in open(tmp_path / "disagree" / "metrics.jsonl")]
+    # step 1's sampler disagrees again: on the rebuilt update (no Eigen's products) nothing more is rebuilt
+    assert [r.get("cpu_gemm_fallback") for r in rows] == [1, None] and rows[1]["compilations"] > 0
+    assert rows[1]["sampler_approx_kl"] > 1e-3
+    agree_rows = [json.loads(line) for line in open(tmp_path / "agree" / "metrics.jsonl")]
+    assert not any("cpu_gemm_fallback" in r for r in agree_rows)

@@ -15,7 +15,9 @@ docs/performance.md) and 0.27-0.28 under the "projections" rematerialisation
 (stare_jax/cpu_gemm.py), with the loss and its gradients still plausible, and 0.0197 in one of four
 processes with the MLP's outputs kept in the last 8 layers (Intel Xeon with AMX). The trainer
 checks every step against `disagreement_bound` (0.05, or 1e-3 where both phases compute in full
-float32) and warns once, so such a fault is seen on the first step, not in a study's curves.
+float32) and warns once, so such a fault is seen on the first step, not in a study's curves; on a
+CPU whose update runs Eigen's products it rebuilds the update on XLA's defaults for the rest of
+the run (`stare_jax.cpu_gemm.with_choice`).
 """
 
 from __future__ import annotations
