@@ -383,6 +383,14 @@ SCHEMA: dict[str, Field] = {
 }
 
 
+def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A copy of `config` with the dotted-key `overrides` ({"model.vocab_chunk": 1024}) set, `config`
+    unchanged; KeyError names a key `config` does not have (validate the copy with `validate`)."""
+    out = config.copy_and_resolve_references()
+    with out.unlocked():
+        return set_dotted(out, overrides)
+
+
 def set_dotted(config: ml_collections.ConfigDict, flat: dict[str, Any], *, strict: bool = True
                ) -> ml_collections.ConfigDict:
     """Sets each {"section.key": value} of `flat` on `config` in place (the inverse of `flatten`);

@@ -79,6 +79,7 @@ from typing import Any
 import numpy as np
 
 from stare_jax.config import CPU_GEMM_CHOICES as CHOICES
+from stare_jax.config import with_overrides
 
 PHASES = ("update", "rollout")
 
@@ -104,10 +105,7 @@ def with_choice(config, choice: str):
     after its update disagreed with the sampler: `stare_jax.rl.policy_agreement`)."""
     if choice not in CHOICES:
         raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
-    out = config.copy_and_resolve_references()
-    with out.unlocked():
-        out.model.cpu_gemm = choice
-    return out
+    return with_overrides(config, {"model.cpu_gemm": choice})
 
 
 def remat_policy(model) -> str:

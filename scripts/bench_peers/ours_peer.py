@@ -83,13 +83,10 @@ def bench_config(workload: dict):
 
 
 def with_overrides(config, overrides: dict):
-    """A copy of `config` with the dotted-key `overrides` ({"model.vocab_chunk": 1024}) applied;
-    KeyError names a key the config does not have (validate the result with `config.validate`)."""
-    from stare_jax.config import set_dotted
+    """`stare_jax.config.with_overrides`: a copy of `config` with the dotted-key `overrides` set."""
+    from stare_jax.config import with_overrides as copy_with
 
-    out = config.copy_and_resolve_references()
-    with out.unlocked():
-        return set_dotted(out, overrides)
+    return copy_with(config, overrides)
 
 
 def load_policy(workload: dict, config, mesh, *, load_tokenizer: bool = False):
