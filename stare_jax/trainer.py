@@ -462,8 +462,14 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                                     "rng": jax.ShapeDtypeStruct((), base_key.dtype,
                                                                 sharding=parallel.replicated(mesh))})
     metrics_path = os.path.join(workdir, "metrics.jsonl")
+    fallback_step = None  # the step whose disagreement moved the update off Eigen's products (kept in checkpoints)
     if restored is not None:
-        start, state, data_state, _ = restored
+        start, state, data_state, meta = restored
+        fallback_step = meta.get("cpu_gemm_fallback_step") if isinstance(meta, dict) else None
+        if fallback_step is not None and cpu_gemm.uses_eigen_products(update.compiler_options):
+            update = make_update_step(cpu_gemm.with_choice(config, "ynnpack"), mesh, train_state)
+            log.info("the update runs on XLA:CPU's default kernels (model.cpu_gemm=ynnpack), as it has since "
+                     "step %d's disagreement (recorded in the checkpoint)", fallback_step)
         from flax import nnx
         nnx.update(train_state, state["train"])
         base_key = state["rng"]
@@ -527,10 +533,10 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                 # rest of this run's updates compile on XLA:CPU's defaults; this step stands as computed
                 update = make_update_step(cpu_gemm.with_choice(config, "ynnpack"), mesh, train_state)
                 row["cpu_gemm_fallback"] = 1
-                rebuilt_at = step
+                rebuilt_at = fallback_step = step
                 log.warning("step %d: the update step is rebuilt on XLA:CPU's default kernels (model.cpu_gemm="
-                            "ynnpack) for the rest of this run; a resumed run starts on model.cpu_gemm=%s again",
-                            step, config.model.cpu_gemm)
+                            "ynnpack) for the rest of this run, a resumed one included (model.cpu_gemm=%s "
+                            "configured)", step, config.model.cpu_gemm)
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
             if allocator.releases_on_compile() > releases:
@@ -555,7 +561,8 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             if done % config.checkpoint_every == 0 or done == config.total_steps or signum:
                 ckpt.save(done, {"train": _state_of(train_state), "rng": parallel.replicated_key(base_key, mesh)},
                           data_iter.get_state(),
-                          {"step": done, "config": ckpt_lib.config_to_json(config)})
+                          {"step": done, "config": ckpt_lib.config_to_json(config),
+                           **({} if fallback_step is None else {"cpu_gemm_fallback_step": fallback_step})})
             if signum:
                 ckpt.wait()
                 raise preemption.Preempted(signum, done)

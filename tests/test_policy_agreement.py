@@ -91,8 +91,9 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
     assert not [r for r in caplog.records if "disagree" in r.getMessage()]  # the real sampler agrees
     monkeypatch.setattr(trainer, "collect_batch", collect_with_shifted_log_probs)
     caplog.clear()
+    three = _config(model, data, **{"total_steps": 3, "checkpoint_every": 1})
     with caplog.at_level(logging.WARNING, logger="stare_jax.trainer"):
-        trainer.train(config, str(tmp_path / "disagree"))
+        trainer.train(three, str(tmp_path / "disagree"))
     warned = [r.getMessage() for r in caplog.records if "disagree" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("step 0: the update's log-probs disagree"), warned
     assert "(rounding gives < 0.001)" in warned[0], warned
@@ -102,10 +103,24 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
     messages = [r.getMessage() for r in caplog.records]
     rebuilt = [m for m in messages if "rebuilt on XLA:CPU's default kernels" in m]
     assert len(rebuilt) == 1 and rebuilt[0].startswith("step 0: the update step is rebuilt"), messages
-    assert "model.cpu_gemm=auto again" in rebuilt[0] and not [m for m in messages if "shapes changed" in m], messages
+    assert "a resumed one included" in rebuilt[0] and not [m for m in messages if "shapes changed" in m], messages
     rows = [json.loads(line) for line in open(tmp_path / "disagree" / "metrics.jsonl")]
-    # step 1's sampler disagrees again: on the rebuilt update (no Eigen's products) nothing more is rebuilt
-    assert [r.get("cpu_gemm_fallback") for r in rows] == [1, None] and rows[1]["compilations"] > 0
+    # later steps' sampler disagrees again: on the rebuilt update (no Eigen's products) nothing more is rebuilt
+    assert [r.get("cpu_gemm_fallback") for r in rows] == [1, None, None] and rows[1]["compilations"] > 0
     assert rows[1]["sampler_approx_kl"] > 1e-3
     agree_rows = [json.loads(line) for line in open(tmp_path / "agree" / "metrics.jsonl")]
     assert not any("cpu_gemm_fallback" in r for r in agree_rows)
+    # Stopped after step 1 and resumed, the run keeps the fallback (kept in its checkpoints) and
+    # continues as the uninterrupted one did: step 2 on the same kernels, nothing rebuilt again
+    trainer.train(_config(model, data, **{"total_steps": 2, "checkpoint_every": 1}), str(tmp_path / "resumed"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="stare_jax.trainer"):
+        trainer.train(three, str(tmp_path / "resumed"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("the update runs on XLA:CPU's default kernels (model.cpu_gemm=ynnpack), as it has "
+                            "since step 0's disagreement") for m in messages), messages
+    assert not [m for m in messages if "rebuilt on XLA:CPU's default kernels" in m], messages
+    resumed = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [r.get("cpu_gemm_fallback") for r in resumed] == [1, None, None]
+    for key in ("loss", "sampler_approx_kl", "entropy", "grad_norm"):
+        assert resumed[2][key] == rows[2][key], (key, resumed[2][key], rows[2][key])

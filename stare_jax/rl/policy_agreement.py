@@ -17,7 +17,8 @@ processes with the MLP's outputs kept in the last 8 layers (Intel Xeon with AMX)
 checks every step against `disagreement_bound` (0.05, or 1e-3 where both phases compute in full
 float32) and warns once, so such a fault is seen on the first step, not in a study's curves; on a
 CPU whose update runs Eigen's products it rebuilds the update on XLA's defaults for the rest of
-the run (`stare_jax.cpu_gemm.with_choice`).
+the run (`stare_jax.cpu_gemm.with_choice`), a resumed run included (the step is kept in the
+checkpoints' metadata as `cpu_gemm_fallback_step`).
 """
 
 from __future__ import annotations
