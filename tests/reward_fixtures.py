@@ -50,3 +50,9 @@ def mixed_reward(response: str, ground_truth: str) -> float:
         return float(response[3:])
     return {"raise": raising_reward, "hang": hanging_reward, "nan": nan_reward, "str": string_reward,
             "exit": exiting_reward}[response](response, ground_truth)
+
+
+def math_verify_imported(response: str, ground_truth: str) -> float:
+    """1.0 iff math-verify is imported in the worker that runs it (preloaded by its forkserver)."""
+    import sys
+    return float("math_verify" in sys.modules)

@@ -236,3 +236,27 @@ def test_pool_recycles_workers():
         np.testing.assert_array_equal(scores, np.arange(5))
         assert stats["reward_errors"] == 0 and p.worker_pids != first and len(p.worker_pids) == 1
         assert all(_gone(pid) for pid in first)
+
+
+def test_the_forkserver_preloads_what_the_reward_needs_and_no_more():
+    """math-verify (~0.5 s to import) is preloaded for the rewards that call it, not for countdown
+    or a user's reward (whose module is never preloaded: the forkserver ignores only an
+    ImportError of a preload, and the workers' own import is checked and bounded)."""
+    import subprocess
+    import sys
+
+    from stare_jax.rewards.pool import DEFAULT_PRELOAD, preload_modules
+    assert preload_modules(rewards.REGISTRY["math"]) == DEFAULT_PRELOAD + ("math_verify",)
+    assert preload_modules(rewards.REGISTRY["final_answer"]) == DEFAULT_PRELOAD + ("math_verify",)
+    assert "math_verify" not in preload_modules(rewards.REGISTRY["countdown"])
+    assert preload_modules(f"{FIX}:echo_reward") == DEFAULT_PRELOAD
+    code = ("import sys\nfrom stare_jax.rewards import RewardPool\n"
+            "with RewardPool(sys.argv[1], num_workers=1, timeout_s=60.0) as p:\n"
+            f"    print(p.score(['x'], [''], reward='{FIX}:math_verify_imported').scores[0])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    seen = {}
+    for reward in ("countdown", "math"):
+        r = subprocess.run([sys.executable, "-c", code, reward], cwd=root, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen[reward] = float(r.stdout.split()[-1])
+    assert seen == {"countdown": 0.0, "math": 1.0}

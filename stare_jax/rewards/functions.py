@@ -77,6 +77,14 @@ REGISTRY: dict[str, str] = {
     "final_answer": "stare_jax.rewards.functions:final_answer_reward",
 }
 
+#: modules a built-in reward imports on its first call (a pool's forkserver imports them first:
+#: `pool.preload_modules`)
+FIRST_CALL_IMPORTS: dict[str, tuple[str, ...]] = {
+    REGISTRY["countdown"]: ("stare_jax.tasks.countdown",),
+    REGISTRY["math"]: ("math_verify",),
+    REGISTRY["final_answer"]: ("math_verify",),
+}
+
 
 def function_spec(fn: Callable) -> str:
     """The import spec "module:qualname" of a module-level function (ValueError otherwise)."""

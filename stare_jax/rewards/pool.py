@@ -40,17 +40,26 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from stare_jax import preemption
-from stare_jax.rewards.functions import load_function, resolve_spec
+from stare_jax.rewards.functions import FIRST_CALL_IMPORTS, load_function, resolve_spec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRELOAD = ("stare_jax.rewards.pool", "stare_jax.rewards.functions", "stare_jax.tasks.countdown",
-                   "math_verify")
+#: what the forkserver imports for every reward; `preload_modules` adds the reward's own
+DEFAULT_PRELOAD = ("stare_jax.rewards.pool", "stare_jax.rewards.functions")
 STAT_KEYS = ("reward_timeouts", "reward_errors", "reward_nonfinite", "reward_calls")
 
 
 LOAD = "load"  # the task id of a worker's start-up check that the pool's reward function imports
 LOAD_TIMEOUT_S = 120.0
+
+
+def preload_modules(spec: str) -> tuple[str, ...]:
+    """The modules a pool's forkserver imports before it forks workers for reward `spec` (a
+    "module:function" spec): `DEFAULT_PRELOAD` and what a built-in reward imports when first
+    called (`functions.FIRST_CALL_IMPORTS`). Never a user's module: the forkserver ignores only an
+    ImportError of a preload, so one that raises otherwise or hangs would take the pool down with
+    it, where the workers' own import is checked and timed (`_check_loadable`)."""
+    return DEFAULT_PRELOAD + FIRST_CALL_IMPORTS.get(spec, ())
 
 
 class RewardSpecError(ValueError):
@@ -178,13 +187,15 @@ class RewardPool:
       timeout_s: per-call limit, counted from when the call is handed to a (booted) worker.
       batch_timeout_s: optional limit for a whole `score` call.
       start_method: "forkserver" (default) or "spawn"; never "fork" (the parent runs JAX).
-      preload: modules the forkserver imports once, so new workers start warm.
+      preload: modules the forkserver imports once, so new workers start warm (default:
+        `preload_modules(reward)`, what this reward needs and no more: math-verify's ~0.5 s import
+        only for the rewards that call it).
       max_tasks_per_worker: replace a worker after this many calls (bounds leaks); None = never.
     """
 
     def __init__(self, reward: str = "math", *, num_workers: int | None = None, timeout_s: float = 10.0,
                  batch_timeout_s: float | None = None, start_method: str = "forkserver",
-                 preload: Sequence[str] = DEFAULT_PRELOAD, max_tasks_per_worker: int | None = None):
+                 preload: Sequence[str] | None = None, max_tasks_per_worker: int | None = None):
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn' (never 'fork'), got {start_method!r}")
         if timeout_s <= 0 or (batch_timeout_s is not None and batch_timeout_s <= 0):
@@ -198,6 +209,8 @@ class RewardPool:
         self.max_tasks_per_worker = max_tasks_per_worker
         self.totals = collections.Counter({k: 0 for k in STAT_KEYS})
         self._ctx = multiprocessing.get_context(start_method)
+        if preload is None:
+            preload = preload_modules(self.reward_spec)
         if start_method == "forkserver" and preload:
             self._ctx.set_forkserver_preload(list(preload))
         self._workers: list[_Worker] = []
