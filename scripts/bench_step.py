@@ -355,11 +355,7 @@ def roofline(w: dict, update_flops: float, peak_gflops: float, bandwidth_gbs: fl
 def real_workload(model: str, cache_root: str, new_tokens: int, seed: int = 0) -> dict:
     """The real-model workload (see the module docstring): converts a GGUF source once into
     `cache_root`, builds the chat-templated prompts and reads the model's shape and EOS ids."""
-    from transformers import AutoTokenizer
-
-    from stare_jax.data.pipeline import format_prompt
     from stare_jax.models.gguf import ensure_converted, is_gguf_source, smollm2_gguf_path
-    from stare_jax.tasks.arithmetic import ArithConfig, generate_problem
 
     if is_gguf_source(model):
         src = smollm2_gguf_path() if model == "smollm2" else model
@@ -373,6 +369,11 @@ def real_workload(model: str, cache_root: str, new_tokens: int, seed: int = 0) -
     else:
         print(f"bench_step: --model {model}: not 'smollm2', a .gguf file or a Hugging Face directory", file=sys.stderr)
         raise SystemExit(2)
+    from transformers import AutoTokenizer  # after the checks above: a refusal need not import it
+
+    from stare_jax.data.pipeline import format_prompt
+    from stare_jax.tasks.arithmetic import ArithConfig, generate_problem
+
     with open(os.path.join(checkpoint, "config.json")) as f:
         hf = json.load(f)
     tok = AutoTokenizer.from_pretrained(checkpoint)
