@@ -23,7 +23,9 @@ time the same update; each output line names them (`vocab_chunk`, `vocab_keep_lo
 Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's matmul
 peak on this device in the setting's dtype and `model.matmul_precision` (GFLOP/s, float32 or bfloat16 operands, measured once for each pair, inside that precision as the setting's update is built and run) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
-response tokens, the packed capacity, peak RSS so far (MB), the host CPU and, with --profile,
+response tokens, the packed capacity, peak RSS so far (`peak_rss_mb`, MB, the process's, batch sampling
+included) and the setting's own (`setting_peak_rss_mb`: from its model's load to its last update, the
+kernel's high-water mark restarted between settings), the host CPU and, with --profile,
 `op_seconds_per_device`, `matmuls` (`matmul_accounting`: executed against model FLOPs, the matmuls'
 rate against the peak, and the MFU bound each leaves), `matmuls_by_origin` (TFLOP, seconds and
 rate of each JAX operation's matmuls, per pass), the costliest compiled instructions (all, and all but matmuls) with
@@ -184,7 +186,10 @@ def main() -> None:
 
     peaks: dict[tuple[str, str], float] = {}  # XLA's matmul peak on this device in each setting's dtype and
     # matmul precision (the MFU's denominator)
+    process_peak = common.peak_rss_mb()  # the settings' windows below restart the kernel's high-water mark
     for i, (setting, config) in enumerate(zip(settings, configs)):
+        process_peak = max(process_peak, common.window_peak_rss_mb() or 0.0)
+        common.reset_peak_rss()  # this setting's resident peak from here (the previous one's arrays are gone)
         # every program of the setting at its `model.matmul_precision`, as the trainer runs them: the
         # peak, and the update, whose kernel options on a GPU (`model.gpu_gemm`: cuBLAS for full float32)
         # are chosen when it is built (with only the call inside, a full-float32 update was built for
@@ -222,6 +227,8 @@ def main() -> None:
                     first_metrics = {k: float(v) for k, v in out.items()}
                 if trace and r == args.reps - 1:
                     jax.profiler.stop_trace()
+            setting_peak = common.window_peak_rss_mb()  # before the digest's and the profile's own arrays
+            process_peak = max(process_peak, setting_peak or common.peak_rss_mb())
             leaves = state_digest(nnx.state(state))  # the updated state, leaf by leaf
             model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
             result = {"setting": setting, "times_s": times, "kernel_cpu_s": kernel_s, "minor_faults": faults,
@@ -239,8 +246,10 @@ def main() -> None:
                       # forward computes wrong values (0.81 under the faulty Eigen matmuls, 0.28 under
                       # "projections" on Eigen's products: rl/policy_agreement.py)
                       "sampler_approx_kl": first_metrics["sampler_approx_kl"],
-                      "peak_rss_mb": round(common.peak_rss_mb(), 1), "host_cpu": common.host_cpu(),
+                      "peak_rss_mb": None, "setting_peak_rss_mb": None, "host_cpu": common.host_cpu(),
                       "devices": jax.device_count(), "malloc": allocator.name()}
+            result["peak_rss_mb"] = round(process_peak, 1)
+            result["setting_peak_rss_mb"] = None if setting_peak is None else round(setting_peak, 1)
             if trace:
                 events = profile_ops.trace_events(trace)
                 # this setting's optimised update programs only: instruction names repeat across modules

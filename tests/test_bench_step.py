@@ -636,6 +636,11 @@ def test_bench_update_times_a_synthetic_workloads_update_on_a_cached_batch(tmp_p
     assert with_kl["sampler_approx_kl"] < 1e-6 and len(with_kl["times_s"]) == 1 and "policy_disagreement" not in with_kl
     assert out["response_tokens"] == 4 * 4 * 16 and out["packed_capacity"] is None and out["devices"] == 1
     assert out["vocab_chunk"] == 256
+    # each setting's own resident peak (its window of the kernel's high-water mark) within the
+    # process's peak so far, which only grows from one setting to the next
+    for line in (out, with_kl):
+        assert 0 < line["setting_peak_rss_mb"] <= line["peak_rss_mb"], line
+    assert with_kl["peak_rss_mb"] >= out["peak_rss_mb"]
     assert (cache / "synthetic_smoke" / "config.json").exists() and (tmp_path / "batch.pkl").exists()
     bench_step = _load_script("bench_step", "bench_step.py")  # its import puts bench_peers/common on the path
     flops = bench_step.update_model_flops(bench_step.common.SMOKE)
