@@ -239,9 +239,10 @@ def test_pool_recycles_workers():
 
 
 def test_the_forkserver_preloads_what_the_reward_needs_and_no_more():
-    """math-verify (~0.5 s to import) is preloaded for the rewards that call it, not for countdown
-    or a user's reward (whose module is never preloaded: the forkserver ignores only an
-    ImportError of a preload, and the workers' own import is checked and bounded)."""
+    """math-verify (~0.5 s to import) is preloaded for the rewards that call it and for a user's
+    reward (whose calls may name a built-in one; its own module is never preloaded: the forkserver
+    ignores only an ImportError of a preload, and the workers' own import is checked and
+    bounded), not for countdown."""
     import subprocess
     import sys
 
@@ -249,7 +250,7 @@ def test_the_forkserver_preloads_what_the_reward_needs_and_no_more():
     assert preload_modules(rewards.REGISTRY["math"]) == DEFAULT_PRELOAD + ("math_verify",)
     assert preload_modules(rewards.REGISTRY["final_answer"]) == DEFAULT_PRELOAD + ("math_verify",)
     assert "math_verify" not in preload_modules(rewards.REGISTRY["countdown"])
-    assert preload_modules(f"{FIX}:echo_reward") == DEFAULT_PRELOAD
+    assert preload_modules(f"{FIX}:echo_reward") == DEFAULT_PRELOAD + ("stare_jax.tasks.countdown", "math_verify")
     code = ("import sys\nfrom stare_jax.rewards import RewardPool\n"
             "with RewardPool(sys.argv[1], num_workers=1, timeout_s=60.0) as p:\n"
             f"    print(p.score(['x'], [''], reward='{FIX}:math_verify_imported').scores[0])\n")

@@ -56,10 +56,17 @@ LOAD_TIMEOUT_S = 120.0
 def preload_modules(spec: str) -> tuple[str, ...]:
     """The modules a pool's forkserver imports before it forks workers for reward `spec` (a
     "module:function" spec): `DEFAULT_PRELOAD` and what a built-in reward imports when first
-    called (`functions.FIRST_CALL_IMPORTS`). Never a user's module: the forkserver ignores only an
-    ImportError of a preload, so one that raises otherwise or hangs would take the pool down with
-    it, where the workers' own import is checked and timed (`_check_loadable`)."""
-    return DEFAULT_PRELOAD + FIRST_CALL_IMPORTS.get(spec, ())
+    called (`functions.FIRST_CALL_IMPORTS`): for a built-in reward its own, for any other every
+    built-in's, since its calls may name them (`score(..., reward=...)`) and an import inside a
+    call counts against the call's timeout. A countdown pool's per-call math reward pays
+    math-verify's import (~0.5-1 s) on each worker's first such call. Never a user's module: the
+    forkserver ignores only an ImportError of a preload, so one that raises otherwise or hangs
+    would take the pool down with it, where the workers' own import is checked and timed
+    (`_check_loadable`)."""
+    if spec in FIRST_CALL_IMPORTS:
+        return DEFAULT_PRELOAD + FIRST_CALL_IMPORTS[spec]
+    every = dict.fromkeys(m for modules in FIRST_CALL_IMPORTS.values() for m in modules)
+    return DEFAULT_PRELOAD + tuple(every)
 
 
 class RewardSpecError(ValueError):
@@ -188,8 +195,7 @@ class RewardPool:
       batch_timeout_s: optional limit for a whole `score` call.
       start_method: "forkserver" (default) or "spawn"; never "fork" (the parent runs JAX).
       preload: modules the forkserver imports once, so new workers start warm (default:
-        `preload_modules(reward)`, what this reward needs and no more: math-verify's ~0.5 s import
-        only for the rewards that call it).
+        `preload_modules(reward)`: math-verify's ~0.5 s import not for a countdown pool).
       max_tasks_per_worker: replace a worker after this many calls (bounds leaks); None = never.
     """
 
