@@ -228,6 +228,7 @@ def main() -> None:
                 if trace and r == args.reps - 1:
                     jax.profiler.stop_trace()
             setting_peak = common.window_peak_rss_mb()  # before the digest's and the profile's own arrays
+            # (where the window is unreadable nothing was restarted: the process's own peak then)
             process_peak = max(process_peak, setting_peak or common.peak_rss_mb())
             leaves = state_digest(nnx.state(state))  # the updated state, leaf by leaf
             model_flops = bench_step.update_model_flops(workload, np.asarray(batch["response_mask"]).sum(axis=1).tolist())
@@ -246,10 +247,9 @@ def main() -> None:
                       # forward computes wrong values (0.81 under the faulty Eigen matmuls, 0.28 under
                       # "projections" on Eigen's products: rl/policy_agreement.py)
                       "sampler_approx_kl": first_metrics["sampler_approx_kl"],
-                      "peak_rss_mb": None, "setting_peak_rss_mb": None, "host_cpu": common.host_cpu(),
-                      "devices": jax.device_count(), "malloc": allocator.name()}
-            result["peak_rss_mb"] = round(process_peak, 1)
-            result["setting_peak_rss_mb"] = None if setting_peak is None else round(setting_peak, 1)
+                      "peak_rss_mb": round(process_peak, 1),
+                      "setting_peak_rss_mb": None if setting_peak is None else round(setting_peak, 1),
+                      "host_cpu": common.host_cpu(), "devices": jax.device_count(), "malloc": allocator.name()}
             if trace:
                 events = profile_ops.trace_events(trace)
                 # this setting's optimised update programs only: instruction names repeat across modules

@@ -457,6 +457,10 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     update = make_update_step(config, mesh, train_state)
     base_key = jax.random.key(config.seed)
 
+    def update_off_eigen():
+        """The update step rebuilt on XLA:CPU's default kernels (`model.cpu_gemm = "ynnpack"`)."""
+        return make_update_step(cpu_gemm.with_choice(config, "ynnpack"), mesh, train_state)
+
     start = 0
     restored = ckpt.restore_latest({"train": abstract_train_state(train_state, mesh),
                                     "rng": jax.ShapeDtypeStruct((), base_key.dtype,
@@ -467,7 +471,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
         start, state, data_state, meta = restored
         fallback_step = meta.get("cpu_gemm_fallback_step") if isinstance(meta, dict) else None
         if fallback_step is not None and cpu_gemm.uses_eigen_products(update.compiler_options):
-            update = make_update_step(cpu_gemm.with_choice(config, "ynnpack"), mesh, train_state)
+            update = update_off_eigen()
             log.info("the update runs on XLA:CPU's default kernels (model.cpu_gemm=ynnpack), as it has since "
                      "step %d's disagreement (recorded in the checkpoint)", fallback_step)
         from flax import nnx
@@ -531,7 +535,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             if disagreement and cpu_gemm.uses_eigen_products(update.compiler_options):
                 # Eigen's products are the kernels seen computing wrong values (stare_jax.cpu_gemm): the
                 # rest of this run's updates compile on XLA:CPU's defaults; this step stands as computed
-                update = make_update_step(cpu_gemm.with_choice(config, "ynnpack"), mesh, train_state)
+                update = update_off_eigen()
                 row["cpu_gemm_fallback"] = 1
                 rebuilt_at = fallback_step = step
                 log.warning("step %d: the update step is rebuilt on XLA:CPU's default kernels (model.cpu_gemm="
