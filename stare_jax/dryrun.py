@@ -338,15 +338,20 @@ class SamplerShape:
     top_k: int
     slots: int = 0             # > 0: the slot-refilling sampler (`rollout.slots` / `eval.slots`)
     compact_min_rows: int = 0  # static sampler: `rollout.compact_min_rows`
+    token_stats: bool = False  # the sampler records entropy and Q for the update (`ppo.old_stats`)
 
 
 def training_sampler_shape(config) -> SamplerShape:
     """The training rollout of `trainer.collect_batch`: one generation batch of the global
-    `data.prompt_batch_size` prompts x `rollout.group_size` responses."""
+    `data.prompt_batch_size` prompts x `rollout.group_size` responses, recording the update's
+    pre-update statistics when it takes them from the sampler (`RLSettings.takes_sampler_stats`)."""
+    from stare_jax.rl.settings import RLSettings
+
     r = config.rollout
     return SamplerShape(int(config.data.prompt_batch_size), int(config.data.max_prompt_len), int(r.group_size),
                         int(r.max_new_tokens), float(r.temperature), float(r.top_p), int(r.top_k),
-                        slots=int(r.slots), compact_min_rows=int(r.compact_min_rows))
+                        slots=int(r.slots), compact_min_rows=int(r.compact_min_rows),
+                        token_stats=RLSettings.from_config(config).takes_sampler_stats)
 
 
 def eval_sampler_shape(config, batch_divisor: int) -> SamplerShape:
@@ -394,7 +399,7 @@ def rollout_program(shape: SamplerShape, cfg, abstract_ts, mesh):
                         group_size=shape.group_size, max_new_tokens=shape.max_new_tokens, eos_ids=eos_ids,
                         pad_id=int(pad_id), temperature=shape.temperature, top_p=shape.top_p, top_k=shape.top_k,
                         mesh=mesh, slots=shape.slots, decode_layout="rows",
-                        compact_min_rows=shape.compact_min_rows, gpu_gemm="xla")
+                        compact_min_rows=shape.compact_min_rows, gpu_gemm="xla", token_stats=shape.token_stats)
     return graphdef, model_state, spec
 
 
@@ -421,17 +426,21 @@ def compile_rollout(shape: SamplerShape, program):
 
 def abstract_batch(config, mesh) -> dict:
     """The update step's batch as sharded `jax.ShapeDtypeStruct`s: prompts x group_size rows of
-    max_prompt_len + max_new_tokens tokens (the dtypes the trainer feeds)."""
+    max_prompt_len + max_new_tokens tokens (the dtypes the trainer feeds), with the sampler's entropy
+    and Q where the update reads them (`RLSettings.takes_sampler_stats`)."""
     import jax
     import jax.numpy as jnp
 
     from stare_jax import parallel
+    from stare_jax.rl.settings import RLSettings
 
     N = int(config.data.prompt_batch_size) * int(config.rollout.group_size)
     P, R = int(config.data.max_prompt_len), int(config.rollout.max_new_tokens)
     shapes = {"input_ids": ((N, P + R), jnp.int32), "attention_mask": ((N, P + R), jnp.int32),
               "response_mask": ((N, R), jnp.int32), "old_log_probs": ((N, R), jnp.float32),
               "rewards": ((N,), jnp.float32)}
+    if RLSettings.from_config(config).takes_sampler_stats:
+        shapes.update({"old_entropy": ((N, R), jnp.float32), "old_pi2_dev": ((N, R), jnp.float32)})
     return {k: jax.ShapeDtypeStruct(s, d, sharding=parallel.batch_sharding(mesh, len(s))) for k, (s, d) in shapes.items()}
 
 

@@ -28,6 +28,7 @@ from stare_jax.dynamic_sampling import DynamicSamplingError, GroupBuffer, groups
 from stare_jax.models import Policy, from_pretrained
 from stare_jax.models.hf import abstract_model, load_config, load_tokenizer_dir
 from stare_jax.rl.policy_agreement import disagreement_bound, disagreement_line
+from stare_jax.rl.settings import RLSettings
 from stare_jax.writers import MetricsWriter, Progress, truncate_jsonl
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,8 @@ def global_prompts(config, prompts: dict) -> tuple[np.ndarray, np.ndarray]:
                           config.data.prompt_bucket_multiple)
 
 
-def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pad_id, mesh):
+def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pad_id, mesh,
+                  token_stats: bool | None = None):
     """Generates groups until `data.prompt_batch_size` groups with reward spread are kept (DAPO), or
     takes the first generation batch when dynamic sampling is off.
 
@@ -232,12 +234,18 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
 
     With `mesh.rollout_devices` the sampler decodes on `parallel.rollout_mesh` (a copy of the
     model's weights placed there once per call); the batch comes back as host arrays either way.
+
+    The batch holds the sampler's entropy and Q (`old_entropy`, `old_pi2_dev`) when `token_stats`
+    is True, or when it is None (the default) and the update reads them
+    (`RLSettings.takes_sampler_stats`).
     """
     from stare_jax.rollout import generate
     from stare_jax.rollout.sampler import generated_groups
 
     G = config.rollout.group_size
     ds = config.dynamic_sampling
+    if token_stats is None:  # the update's pre-update statistics
+        token_stats = RLSettings.from_config(config).takes_sampler_stats
     buffer = GroupBuffer(config.data.prompt_batch_size, G, left_padded=("input_ids", "attention_mask"))
     all_rewards, lengths, truncated, prompt_lens, longest = [], [], [], [], []
     reward_stats: dict[str, float] = {}
@@ -263,11 +271,13 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
                           temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                           top_k=config.rollout.top_k, pad_id=pad_id, mesh=mesh, slots=config.rollout.slots,
                           num_groups=limit, decode_layout=config.rollout.decode_layout,
-                          compact_min_rows=config.rollout.compact_min_rows, gpu_gemm=config.model.gpu_gemm)
+                          compact_min_rows=config.rollout.compact_min_rows, gpu_gemm=config.model.gpu_gemm,
+                          token_stats=token_stats)
+        sampler_stats = {"old_entropy": result.entropy, "old_pi2_dev": result.pi2_dev} if token_stats else {}
         host = {k: parallel.to_host(v) for k, v in {
             "input_ids": result.tokens, "attention_mask": result.attention_mask,
             "response_mask": result.response_mask, "old_log_probs": result.log_probs,
-            "response_ids": result.response_ids, "truncated": result.truncated}.items()}
+            "response_ids": result.response_ids, "truncated": result.truncated, **sampler_stats}.items()}
         t1 = time.perf_counter()
         own = parallel.local_slice(len(host["response_ids"]))
         scored = rows[own]  # this host's generated rows
@@ -293,7 +303,7 @@ def collect_batch(config, model, tokenizer, data_iter, pool, key, *, eos_ids, pa
         keep = groups_with_spread(rewards, G) if ds.enabled else np.ones(len(rewards) // G, bool)
         buffer.add({"input_ids": host["input_ids"], "attention_mask": host["attention_mask"],
                     "response_mask": host["response_mask"], "old_log_probs": host["old_log_probs"],
-                    "rewards": rewards}, keep)
+                    "rewards": rewards, **{k: host[k] for k in sampler_stats}}, keep)
         if buffer.full:
             break
     if not buffer.full:

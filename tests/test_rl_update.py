@@ -354,3 +354,67 @@ def test_update_loops_hold_no_collective_on_a_data_parallel_mesh(layout):
     assert abs(float(m1["loss"]) - float(m2["loss"])) <= 1e-6
     np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
     assert_trees_close(params_of(ts1), params_of(ts2), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the sampler's statistics
+def model_stats_batch(config, mesh, shift=0.0):
+    """`make_batch` with the fresh model's own log-probs (minus `shift`) as behaviour log-probs and
+    its entropy and Q as the sampler's statistics (`update.old_stats = "sampler"`)."""
+    from stare_jax.rl.update import response_token_stats
+
+    batch = make_batch()
+    model = fresh_state(config, mesh).model
+    s = response_token_stats(model, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]), R,
+                             vocab_chunk=16, with_pi2=True)
+    mask = batch["response_mask"]
+    return dict(batch, old_log_probs=(np.asarray(s.log_probs) - shift) * mask, old_entropy=np.asarray(s.entropy) * mask,
+                old_pi2_dev=np.asarray(s.pi2_dev) * mask)
+
+
+@pytest.mark.parametrize("overrides", [{"update.grad_accum": 2},
+                                       {"update.ppo_epochs": 2, "update.num_minibatches": 2,
+                                        "stare.selection_scope": "microbatch", "loss.name": "clip_cov"}])
+def test_sampler_stats_replace_the_pre_pass(mesh8, overrides):
+    """With several micro-batches or optimizer steps the update reads the sampler's entropy and Q
+    (`update.old_stats = "sampler"`, the default) instead of recomputing them: the same metrics and
+    parameters as the pre-pass on a batch whose sampler agrees with the policy, in a program of
+    fewer FLOPs; a batch without the statistics runs the pre-pass; its `sampler_approx_kl` is the
+    first optimizer step's against the behaviour log-probs."""
+    config = make_config(**overrides)
+    assert RLSettings.from_config(config).takes_sampler_stats
+    batch = model_stats_batch(config, mesh8)
+    plain = {k: v for k, v in batch.items() if k not in ("old_entropy", "old_pi2_dev")}
+    _, m_sampler, p_sampler = update_once(config, mesh8, batch)
+    _, m_recompute, p_recompute = update_once(make_config(**overrides, **{"update.old_stats": "recompute"}), mesh8,
+                                              batch)
+    _, m_fallback, p_fallback = update_once(config, mesh8, plain)
+    for k in m_recompute:
+        np.testing.assert_allclose(m_sampler[k], m_recompute[k], atol=2e-6, rtol=1e-5, err_msg=k)
+        assert m_fallback[k] == m_recompute[k], k
+    assert m_recompute["loss"] != 0.0 and m_recompute["stare_lplus_frac"] > 0.0
+    assert_trees_close(p_sampler, p_recompute, atol=1e-6)
+    assert_trees_close(p_fallback, p_recompute, atol=0.0)
+
+    ts = fresh_state(config, mesh8)
+    step = make_update_step(config, mesh8, ts)
+    state = nnx.state(ts)
+    flops = {name: step.lower(state, parallel.shard_batch(b, mesh8), jax.random.key(0)).compile().cost_analysis()["flops"]
+             for name, b in (("sampler", batch), ("pre-pass", plain))}
+    assert flops["sampler"] < 0.9 * flops["pre-pass"], flops
+
+    # behaviour log-probs 0.3 below the policy's: sampler_approx_kl = (e^0.3 - 1) - 0.3 over the
+    # first optimizer step's tokens (the whole batch with one mini-batch)
+    _, m_shifted, _ = update_once(config, mesh8, model_stats_batch(config, mesh8, shift=0.3))
+    if RLSettings.from_config(config).num_minibatches == 1:
+        np.testing.assert_allclose(m_shifted["sampler_approx_kl"], np.expm1(0.3) - 0.3, rtol=1e-4)
+    else:
+        assert m_shifted["sampler_approx_kl"] > 0.04
+
+
+def test_old_stats_key_and_when_the_sampler_records_them():
+    assert RLSettings.from_config(make_config()).old_stats == "sampler"
+    assert not RLSettings.from_config(make_config()).takes_sampler_stats  # the single pass computes its own
+    assert not RLSettings.from_config(make_config(**{"update.grad_accum": 2, "update.old_stats": "recompute"})
+                                      ).takes_sampler_stats
+    with pytest.raises(ValueError, match="update.old_stats"):
+        RLSettings.from_config(make_config(**{"update.old_stats": "cached"}))

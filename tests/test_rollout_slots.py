@@ -56,6 +56,32 @@ def test_sampled_slots_equal_static(policies, sampled_reference, num_slots, segm
     assert_same_rollout(got, sampled_reference)
 
 
+def test_token_stats_are_the_teacher_forced_entropy_and_q_in_every_sampler(policies, sampled_reference):
+    """`token_stats=True` (what `ppo.old_stats = "sampler"` asks for): the same tokens and log-probs,
+    and each response position's entropy and Q equal those of the teacher-forced policy at
+    temperature 1 (sampling at 0.8), 0 where masked; the static batch, the compacting static batch
+    and the slot sampler agree."""
+    from stare_jax.rl.logprobs import naive_token_stats
+
+    ids, mask = prompts()
+    policy = policies["qwen2"]
+    ref = sampled_reference
+    logits = policy(ref.tokens, ref.attention_mask)[:, ref.prompt_len - 1:-1]
+    expected = naive_token_stats(logits, ref.response_ids)
+    response = np.asarray(ref.response_mask) > 0
+    assert ref.entropy is None and ref.pi2_dev is None
+    runs = {"static": {}, "compacting": dict(compact_min_rows=3), "slots": dict(slots=5, decode_segments=3)}
+    for name, extra in runs.items():
+        got = generate(policy, ids, mask, rng=jax.random.key(3), token_stats=True, **SAMPLED, **extra)
+        assert_same_rollout(got, ref)
+        for field in ("entropy", "pi2_dev"):
+            value = np.asarray(getattr(got, field))
+            np.testing.assert_allclose(value[response], np.asarray(getattr(expected, field))[response], atol=2e-5,
+                                       rtol=1e-4, err_msg=f"{name} {field}")
+            assert (value[~response] == 0).all(), (name, field)
+        assert np.asarray(got.entropy)[response].min() > 0.1  # real spread, not zeros
+
+
 def test_greedy_slots_equal_static_with_forced_and_natural_eos(policies):
     """Greedy (rows of a group identical until they stop): stop lengths vary the ends inside each
     group, and EOS ids taken from the free greedy continuations end rows earlier on their own."""

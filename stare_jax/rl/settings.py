@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "update.share_prompt": True,
     "update.pack_tokens": 0,
     "update.pack_buckets": "linear",
+    "update.old_stats": "sampler",
     "model.vocab_chunk": 8192,
     "model.vocab_keep_logits_mb": 0,
     "model.gpu_gemm": "auto",
@@ -79,7 +80,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "update.share_prompt": ("ppo.share_prompt",),
     "update.pack_tokens": ("ppo.pack_tokens",),
     "update.pack_buckets": ("ppo.pack_buckets",),
+    "update.old_stats": ("ppo.old_stats",),
 }
+
+#: where a multi-step update's pre-update statistics come from (`update.old_stats`, rl/update.py)
+OLD_STATS = ("sampler", "recompute")
 
 _MISSING = object()
 
@@ -203,6 +208,14 @@ class RLSettings:
     pack_buckets: str = "linear"  # capacity buckets: multiples of pack_tokens, or its geometric ladder
     gpu_gemm: str = "auto"  # the update's products on a GPU: auto | xla | cublas (stare_jax.gpu_gemm)
     cpu_gemm: str = "auto"  # the update's products on a CPU: auto | ynnpack (stare_jax.cpu_gemm)
+    old_stats: str = "sampler"  # a multi-step update's pre-update statistics: the sampler's, or a pre-pass
+
+    @property
+    def takes_sampler_stats(self) -> bool:
+        """Whether the update reads the pre-update entropy and Q from the batch (the sampler's,
+        `rollout.generate(token_stats=True)`) instead of a no-grad pre-pass: `old_stats = "sampler"`
+        and more than one micro-batch or optimizer step (the single-pass update computes its own)."""
+        return self.old_stats == "sampler" and (self.num_micro > 1 or self.num_updates > 1)
 
     @property
     def num_updates(self) -> int:
@@ -264,6 +277,7 @@ class RLSettings:
             pack_buckets=_choice("update.pack_buckets", str(g("update.pack_buckets")), PACK_BUCKETS),
             gpu_gemm=_choice("model.gpu_gemm", str(g("model.gpu_gemm")), gpu_gemm.CHOICES),
             cpu_gemm=_choice("model.cpu_gemm", str(g("model.cpu_gemm")), cpu_gemm.CHOICES),
+            old_stats=_choice("update.old_stats", str(g("update.old_stats")), OLD_STATS),
         )
         for key, value in (("update.ppo_epochs", out.ppo_epochs), ("update.num_minibatches", out.num_minibatches),
                            ("update.grad_accum", out.grad_accum), ("model.vocab_chunk", out.vocab_chunk),

@@ -7,6 +7,8 @@ Batch (global arrays, leading axis N = prompts * G, group by group):
     response_mask   [N, R]             1 on real response tokens
     old_log_probs   [N, R]             behaviour log-probs (sampler, temperature 1)
     rewards         [N]                float32
+    old_entropy     [N, R]             optional: the sampler's entropy at each position (temperature 1)
+    old_pi2_dev     [N, R]             optional: the sampler's Q = sum_j pi_j^2 (s_j - H) there
 
 One step:
 
@@ -31,11 +33,17 @@ One step:
 
 Paths. With a single optimizer step and no accumulation (the paper's on-policy setting) everything
 happens in one forward + backward: entropy, selection and diagnostics come from the same forward
-(stop-gradient) and the old log-probs are the batch's. Otherwise a first no-grad pass over the
-batch (micro-batch by micro-batch) gives the pre-update statistics; with several optimizer steps
-per batch it also provides the old log-probs (the behaviour log-probs are then not used).
-Selection rules of the loss registry (forking tokens, Clip-Cov, KL-Cov) see the pre-update
-statistics of their mini-batch.
+(stop-gradient) and the old log-probs are the batch's. Otherwise the whole batch's pre-update
+statistics are needed before the first micro-batch's loss. With `update.old_stats = "sampler"` (the
+default) they are the sampler's: the behaviour log-probs and the batch's `old_entropy` /
+`old_pi2_dev` (`rollout.generate(token_stats=True)`), the same policy's values up to the rounding
+of two programs (`rl/policy_agreement.py`), so the update runs no extra forward; its
+`sampler_approx_kl` is then the first optimizer step's `approx_kl` (every micro-batch of the first
+mini-batch, at the pre-update parameters). With "recompute", or a batch without those two arrays,
+a first no-grad pass over the batch (micro-batch by micro-batch) gives them, and with several
+optimizer steps per batch also the old log-probs (the behaviour log-probs are then not used): one
+forward more, 1.25x the update's work under rematerialisation. Selection rules of the loss
+registry (forking tokens, Clip-Cov, KL-Cov) see the pre-update statistics of their mini-batch.
 
 Shared prompts. The G rows of a group hold the same prompt, so with `ppo.share_prompt` (the
 default) each forward runs a prompt once and lets its G responses attend to it
@@ -107,6 +115,7 @@ def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "non
 
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
+SAMPLER_STATS_NDIMS = {"old_entropy": 2, "old_pi2_dev": 2}  # read when `RLSettings.takes_sampler_stats`
 
 
 def response_token_stats(model, input_ids, attention_mask, response_len: int, *, vocab_chunk: int,
@@ -404,6 +413,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         all_ok = ok
     else:
         graphdef_m, params0, rest0 = nnx.split(ts.model, nnx.Param, ...)
+        from_sampler = "old_entropy" in batch
 
         def pre(xs):
             m = nnx.merge(graphdef_m, params0, rest0)
@@ -411,7 +421,11 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
                                      group_size=shared, packing=packing)
             return jax.tree_util.tree_map(jax.lax.stop_gradient, (s.log_probs, s.entropy, s.pi2_dev))
 
-        lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
+        if from_sampler:  # the sampler's statistics: no pre-pass (module docstring)
+            lp0, ent0, pi2_0 = beh_k, micro(batch["old_entropy"].astype(jnp.float32) * mask), \
+                micro(batch["old_pi2_dev"].astype(jnp.float32) * mask)
+        else:
+            lp0, ent0, pi2_0 = jax.lax.map(pre, (ids_k, am_k))  # [K, n, R]
         flat = lambda x: x.reshape((K * n,) + x.shape[2:])  # noqa: E731  (micro-batch-major rows)
         shaped_adv, quadrants, keep = shape_batch(settings, adv, batch["rewards"], _from_micro(lp0), _from_micro(ent0),
                                                   mask)  # group order
@@ -466,7 +480,8 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         state, (per_update, oks) = jax.lax.scan(one_update, state, jnp.arange(U, dtype=jnp.int32))
         metrics = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), per_update)
         metrics["nonfinite_skipped"] = U - oks.sum().astype(jnp.float32)
-        metrics["sampler_approx_kl"] = _approx_kl(lp0, beh_k, mask_k)
+        # the first optimizer step's forwards ran at the pre-update parameters against the sampler's log-probs
+        metrics["sampler_approx_kl"] = per_update["approx_kl"][0] if from_sampler else _approx_kl(lp0, beh_k, mask_k)
         all_ok = jnp.all(oks)
 
     ts = nnx.merge(graphdef, state)
@@ -493,6 +508,10 @@ class UpdateStep:
     (`step.packing(batch)`), so a caller that holds the batch in host memory runs
     `batch, packing = step.arrange(host_batch)` (which also evens out the shards' token counts)
     and passes `packing=packing`: the step then reads nothing back from the devices.
+
+    With several micro-batches or optimizer steps and `update.old_stats = "sampler"` the step reads
+    the batch's `old_entropy` and `old_pi2_dev` too (`SAMPLER_STATS_NDIMS`); a batch without them
+    runs a second compiled program that recomputes them in a pre-pass.
     """
 
     def __init__(self, settings: RLSettings, mesh: Mesh, train_state: TrainState, *, donate: bool = True,
@@ -503,7 +522,8 @@ class UpdateStep:
         self.mesh = mesh
         self.graphdef, state = nnx.split(train_state)
         self.state_shardings = train_state_shardings(state, mesh)
-        self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in BATCH_NDIMS.items()}
+        self.batch_ndims = {**BATCH_NDIMS, **(SAMPLER_STATS_NDIMS if settings.takes_sampler_stats else {})}
+        self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in self.batch_ndims.items()}
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
@@ -514,16 +534,24 @@ class UpdateStep:
         options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
                                                  dtype=getattr(train_state.model, "dtype", np.float32)))
         self.compiler_options = options  # the XLA options the step compiles with (`model.cpu_gemm` / `gpu_gemm`)
-        self.jitted = jax.jit(fn, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
-                              out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
-                              donate_argnums=(0,) if donate else (), compiler_options=options or None)
+        jit = lambda keys: jax.jit(  # noqa: E731
+            fn, in_shardings=(self.state_shardings, {k: self.batch_shardings[k] for k in keys}, replicated),
+            out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
+            donate_argnums=(0,) if donate else (), compiler_options=options or None)
+        self.jitted = jit(self.batch_ndims)
+        # a batch without the sampler's statistics still runs, with the pre-pass (module docstring)
+        self._without_stats = jit(BATCH_NDIMS) if settings.takes_sampler_stats else self.jitted
 
-    @staticmethod
-    def _batch(batch: dict) -> dict:
+    def _batch(self, batch: dict) -> dict:
         missing = [k for k in BATCH_NDIMS if k not in batch]
         if missing:
             raise KeyError(f"batch is missing {missing}; needs {list(BATCH_NDIMS)}")
-        return {k: batch[k] for k in BATCH_NDIMS}
+        keys = self.batch_ndims if all(k in batch for k in self.batch_ndims) else BATCH_NDIMS
+        return {k: batch[k] for k in keys}
+
+    def _jitted_for(self, batch: dict):
+        """The jitted step for a batch from `_batch`: with the sampler's statistics or without."""
+        return self.jitted if len(batch) == len(self.batch_ndims) else self._without_stats
 
     def packing(self, batch: dict) -> Packing | None:
         """The packed layout of a batch (None without packing): capacity from
@@ -566,14 +594,16 @@ class UpdateStep:
         """Pure form: (new state, metrics) from the pure train state."""
         if packing is None:
             packing = self.packing(batch)
-        return self.jitted(state, self._batch(batch), rng, packing)
+        batch = self._batch(batch)
+        return self._jitted_for(batch)(state, batch, rng, packing)
 
     def lower(self, state, batch: dict, rng, packing: Packing | None = None):
         """`jax.jit(...).lower` of the step (for compiled memory / cost analysis); packed steps lower
         at their largest capacity unless `packing` is given."""
         if packing is None:
             packing = self.full_packing(*batch["response_mask"].shape)
-        return self.jitted.lower(state, self._batch(batch), rng, packing)
+        batch = self._batch(batch)
+        return self._jitted_for(batch).lower(state, batch, rng, packing)
 
     def __call__(self, train_state: TrainState, batch: dict, rng,
                  packing: Packing | None = None) -> tuple[TrainState, dict]:

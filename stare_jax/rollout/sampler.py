@@ -52,12 +52,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stare_jax import gpu_gemm as gpu_gemm_lib, parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
-from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs, uniforms_at
+from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_entropy_and_q, token_log_probs, uniforms_at
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "attention_mask", "response_ids", "response_mask", "log_probs",
-                                "truncated"],
+                                "truncated", "entropy", "pi2_dev"],
                    meta_fields=["prompt_len"])
 @dataclasses.dataclass(frozen=True)
 class RolloutResult:
@@ -70,6 +70,9 @@ class RolloutResult:
     log_probs      f32   [N, R]    log softmax(logits)[token] at temperature 1; 0 where masked
     truncated      bool  [N]       no EOS within R tokens
     prompt_len     int             P (static)
+    entropy        f32   [N, R]    with `token_stats`: the entropy of softmax(logits) at temperature 1
+                                   at each response position; 0 where masked (else None)
+    pi2_dev        f32   [N, R]    with `token_stats`: Q = sum_j pi_j^2 (s_j - H) there (else None)
     """
 
     tokens: jax.Array
@@ -79,6 +82,8 @@ class RolloutResult:
     log_probs: jax.Array
     truncated: jax.Array
     prompt_len: int
+    entropy: jax.Array | None = None
+    pi2_dev: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +104,7 @@ class RolloutSpec:
     feature_major: bool = False  # decode layers feature-major (`decode` module docstring; the CPU default)
     compact_min_rows: int = 0  # static sampler: halve the decode batch down to this many rows (0: off)
     compiler_options: tuple = ()  # (name, value) XLA options of the jitted rollout (`model.gpu_gemm`)
+    token_stats: bool = False  # also record each position's entropy and Q (`RolloutResult`; `ppo.old_stats`)
 
 
 def auto_segments(max_new_tokens: int) -> int:
@@ -120,7 +126,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
              pad_id: int | None = None, mesh: Mesh | None = None,
              decode_segments: int | None = None, slots: int = 0, stop_lengths=None,
              num_groups: int | None = None, decode_layout: str = "auto", compact_min_rows: int = 0,
-             gpu_gemm: str = "auto") -> RolloutResult:
+             gpu_gemm: str = "auto", token_stats: bool = False) -> RolloutResult:
     """Samples `group_size` responses of up to `max_new_tokens` tokens for each left-padded prompt.
 
     `policy` is a `stare_jax.models.Policy` or a bare `Decoder`; `prompt_ids`/`prompt_mask` are
@@ -163,6 +169,10 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     `gpu_gemm` (`model.gpu_gemm`): which kernels a GPU runs the rollout's products with
     (`stare_jax.gpu_gemm`; "auto" keeps full-float32 products on Triton GEMMs without the
     autotuner's search); nothing off a GPU.
+    `token_stats`: the result also holds each response position's entropy H and Q = sum_j pi_j^2
+    (s_j - H) of the policy at temperature 1 (`sampling.token_entropy_and_q`), the pre-update
+    statistics a multi-step update reads instead of recomputing them (`ppo.old_stats`); the tokens
+    and log-probs are the same either way.
     """
     model = getattr(policy, "model", policy)
     if not isinstance(model, Decoder):
@@ -181,7 +191,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
                         max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, temperature=temperature,
                         top_p=top_p, top_k=top_k, greedy=greedy, mesh=mesh, decode_segments=decode_segments,
                         slots=slots, decode_layout=decode_layout, compact_min_rows=compact_min_rows,
-                        gpu_gemm=gpu_gemm)
+                        gpu_gemm=gpu_gemm, token_stats=token_stats)
     if stop_lengths is not None and np.shape(stop_lengths) != (rows,):
         raise ValueError(f"stop_lengths must have one entry per response, shape ({rows},), got "
                          f"{np.shape(stop_lengths)}")
@@ -218,12 +228,13 @@ def generated_groups(num_groups: int, prompts: int, *, group_size: int, slots: i
 def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: int, eos_ids: tuple[int, ...],
                  pad_id: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
                  mesh: Mesh | None = None, decode_segments: int | None = None, slots: int = 0,
-                 decode_layout: str = "auto", compact_min_rows: int = 0, gpu_gemm: str = "auto") -> RolloutSpec:
+                 decode_layout: str = "auto", compact_min_rows: int = 0, gpu_gemm: str = "auto",
+                 token_stats: bool = False) -> RolloutSpec:
     """The `RolloutSpec` that `generate` compiles for `rows` = prompts x `group_size` responses of a
     policy whose parameters are `state` (arrays or abstract values: they only name the platform) in
     compute `dtype`: the slot sampler with min(slots, rows) slots when `slots` > 0 (it refills rows
     instead of compacting them), else the static one compacting down to `compact_min_rows`; the
-    decode layout and the GPU GEMM options as `generate` documents. The dry run builds its sampler
+    decode layout, the GPU GEMM options and `token_stats` as `generate` documents. The dry run builds its sampler
     from the same function, so what it compiles is what a run would. Raises ValueError for counts
     out of range."""
     options = gpu_gemm_lib.compiler_options("rollout", gpu_gemm, platform=parallel.platform_of(state), dtype=dtype)
@@ -234,7 +245,7 @@ def rollout_spec(dtype, state, *, rows: int, group_size: int, max_new_tokens: in
                                            else decode_segments),
                        feature_major=feature_major_decode(decode_layout, state),
                        compact_min_rows=_count(compact_min_rows, "compact_min_rows"),
-                       compiler_options=tuple(sorted(options.items())))
+                       compiler_options=tuple(sorted(options.items())), token_stats=bool(token_stats))
     if spec.group_size < 1 or spec.max_new_tokens < 1 or spec.decode_segments < 1:
         raise ValueError(f"group_size, max_new_tokens and decode_segments must be >= 1, got {group_size}, "
                          f"{max_new_tokens} and {spec.decode_segments}")
@@ -393,7 +404,8 @@ def _grouped_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array,
     rope = rope_table(model.config, prompt_len + R)  # built once, outside the decode loops
 
     outputs = (rows(jnp.zeros((N,), bool)), rows(jnp.full((N, R), spec.pad_id, jnp.int32)),
-               rows(jnp.zeros((N, R), jnp.int32)), rows(jnp.zeros((N, R), jnp.float32)))
+               rows(jnp.zeros((N, R), jnp.int32)),
+               *(rows(jnp.zeros((N, R), jnp.float32)) for _ in range(1 + 2 * spec.token_stats)))
     whole = _Stage(None, prompt, prompt_lengths)
     outputs, token = _record(spec, uniforms, stop_lengths, whole, outputs, 0, first_logits)
 
@@ -441,11 +453,11 @@ def _grouped_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array,
             token = take(token)
             blocks = [[tuple(kv_sharding(following)(jnp.take(a, keep, axis=0, mode="clip")) for a in kv)
                        for kv in segment] for segment in blocks]
-    done, ids, mask, logps = outputs
+    done, ids, mask, logps, *stats = outputs
     result = RolloutResult(tokens=jnp.concatenate([rows(repeat(prompt_ids)), ids], axis=1),
                            attention_mask=jnp.concatenate([prompt_mask, mask], axis=1),
                            response_ids=ids, response_mask=mask, log_probs=logps, truncated=~done,
-                           prompt_len=prompt_len)
+                           prompt_len=prompt_len, **dict(zip(("entropy", "pi2_dev"), stats)))
     return result, steps
 
 
@@ -502,23 +514,32 @@ class _Stage(NamedTuple):
 
 def _record(spec: RolloutSpec, uniforms, stop_lengths, stage: _Stage, outputs, t, logits):
     """Chooses token t of each of the stage's rows from `logits` [n, V] and writes it into the
-    output buffers (done [N], ids, mask, log-probs [N, R], response-major); returns (outputs, tokens)."""
-    done, ids, mask, logps = outputs
+    output buffers (done [N], ids, mask and the `token_floats` [N, R], response-major); returns
+    (outputs, tokens)."""
+    done, ids, mask, *floats = outputs
     index = stage.index
     pick = (lambda x: x) if index is None else (lambda x: jnp.take(x, index, axis=0, mode="clip"))  # noqa: E731
     token = choose_tokens(logits, None if uniforms is None else pick(uniforms[t]), spec.sampling)
     token, ends = finish_tokens(token, t, None if stop_lengths is None else pick(stop_lengths), spec.eos_ids)
     live = ~done if index is None else ~jnp.take(done, index, axis=0, mode="fill", fill_value=True)
     token = jnp.where(live, token, spec.pad_id)
-    logp = jnp.where(live, token_log_probs(logits, token), 0.0)
+    values = [jnp.where(live, v, 0.0) for v in token_floats(spec, logits, token)]
     if index is None:
         outputs = (done | (live & ends), ids.at[:, t].set(token), mask.at[:, t].set(live.astype(jnp.int32)),
-                   logps.at[:, t].set(logp))
+                   *(f.at[:, t].set(v) for f, v in zip(floats, values)))
     else:  # empty rows (index N) are dropped; finished rows write what the static batch writes
         outputs = (done.at[index].set(~live | ends, mode="drop"), ids.at[index, t].set(token, mode="drop"),
                    mask.at[index, t].set(live.astype(jnp.int32), mode="drop"),
-                   logps.at[index, t].set(logp, mode="drop"))
+                   *(f.at[index, t].set(v, mode="drop") for f, v in zip(floats, values)))
     return outputs, token
+
+
+def token_floats(spec: RolloutSpec, logits: jax.Array, token: jax.Array) -> tuple[jax.Array, ...]:
+    """What a rollout records per row for the chosen `token` [n] from `logits` [n, V], float32 [n]
+    each: its log-prob at temperature 1, and with `spec.token_stats` also the entropy and Q of the
+    row's distribution (`sampling.token_entropy_and_q`)."""
+    logp = token_log_probs(logits, token)
+    return (logp, *token_entropy_and_q(logits)) if spec.token_stats else (logp,)
 
 
 def _compact(stage: _Stage, done: jax.Array, rows: int, N: int, G: int, prompt: PromptCache,

@@ -101,8 +101,8 @@ from stare_jax import parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout import sampler
 from stare_jax.rollout.decode import PromptCache, decode_step_rows, empty_response_cache, layer_params, prompt_cache
-from stare_jax.rollout.sampler import RolloutResult, RolloutSpec, finish_tokens
-from stare_jax.rollout.sampling import choose_tokens, token_log_probs, uniforms_at
+from stare_jax.rollout.sampler import RolloutResult, RolloutSpec, finish_tokens, token_floats
+from stare_jax.rollout.sampling import choose_tokens, uniforms_at
 
 REFILL_LANES = 8  # slots whose prompt keys/values one trip of the refill loop copies
 
@@ -210,11 +210,12 @@ def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rn
     first = choose_tokens(first_logits, None if uniforms is None else
                           replicated(uniforms(jnp.zeros((N,), jnp.int32), offset + jnp.arange(N, dtype=jnp.int32))), spec.sampling)
     first, first_ends = finish_tokens(first, 0, stop, spec.eos_ids)
-    first_logp = token_log_probs(first_logits, first)
+    first_floats = token_floats(spec, first_logits, first)  # log-probs (and entropy, Q with token_stats)
     wanted = jnp.ones((N,), bool) if chosen is None else jnp.repeat(chosen, G, total_repeat_length=N)
     single = first_ends | (R == 1) | ~wanted
     ids = replicated(jnp.full((N, R), spec.pad_id, jnp.int32).at[:, 0].set(jnp.where(wanted, first, spec.pad_id)))
-    logps = replicated(jnp.zeros((N, R), jnp.float32).at[:, 0].set(jnp.where(wanted, first_logp, 0.0)))
+    floats = tuple(replicated(jnp.zeros((N, R), jnp.float32).at[:, 0].set(jnp.where(wanted, v, 0.0)))
+                   for v in first_floats)
     lengths = jnp.where(single & wanted, 1, 0).astype(jnp.int32)  # 0 while unfinished (and for unwanted groups)
     done = first_ends & wanted                                       # ended by EOS or stop length (not truncated)
     # Responses that need decode steps, in response order (padded with N).
@@ -288,7 +289,7 @@ def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rn
         and refill their slots. `shared`: the slots attend to their group's shared prompt (only
         while `aligned`), else each to its own copy."""
         (resp, t, token, plen, next_q), (slot_prompt, group_prompt, held, dst, src), blocks, outputs, steps = c
-        ids, logps, lengths, done = outputs
+        ids, floats, lengths, done = outputs
         # The previous step's refills, written first so that the update happens in place (a write
         # after this step's reads made XLA copy the slot caches every step).
         slot_prompt = copy_prompts(slot_prompt, dst, src)
@@ -302,10 +303,9 @@ def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rn
                                           starts[:used], token, plen + t - 1, jnp.clip(t - 1, 0, R - 1), rope=rope)
         new = choose_tokens(logits, None if uniforms is None else uniforms(index, offset + r), spec.sampling)
         new, ends = finish_tokens(new, index, None if stop is None else stop[r], spec.eos_ids)
-        logp = token_log_probs(logits, new)
         row = jnp.where(busy, resp, N)                   # N: dropped write
         ids = ids.at[row, index].set(new, mode="drop")
-        logps = logps.at[row, index].set(logp, mode="drop")
+        floats = tuple(f.at[row, index].set(v, mode="drop") for f, v in zip(floats, token_floats(spec, logits, new)))
         ended = busy & (ends | (index + 1 >= R))
         lengths = lengths.at[jnp.where(ended, resp, N)].set(index + 1, mode="drop")
         done = done.at[jnp.where(busy & ends, resp, N)].set(True, mode="drop")
@@ -313,7 +313,7 @@ def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rn
         dst, src = refills(take, source)
         held = held.at[dst].set(src, mode="drop")        # as the next step's copies will leave them
         return (slots, (slot_prompt, group_prompt, held, dst, src), blocks,
-                (ids, logps, lengths, done), steps + jnp.array([1, int(shared)], jnp.int32))
+                (ids, floats, lengths, done), steps + jnp.array([1, int(shared)], jnp.int32))
 
     def furthest(c):
         """The furthest column a busy slot writes next (-1 when none is busy)."""
@@ -346,16 +346,17 @@ def _slot_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, rn
     # current block (refills restart slots at column 0).
     no_refill = (jnp.full((lanes,), S, jnp.int32), jnp.zeros((lanes,), jnp.int32))
     carry = ((resp, t, token, plen, next_q), (slot_prompt, group_prompt, source) + no_refill, blocks,
-             (ids, logps, lengths, done), jnp.zeros((2,), jnp.int32))
+             (ids, floats, lengths, done), jnp.zeros((2,), jnp.int32))
     carry = sweep(carry) if len(bounds) == 1 else jax.lax.while_loop(lambda c: furthest(c) >= 0, sweep, carry)
-    _, _, _, (ids, logps, lengths, done), steps = carry
+    _, _, _, (ids, (logps, *stats), lengths, done), steps = carry
     rows = sampler._constraint(mesh, P(parallel.BATCH_AXES))
     mask = (jnp.arange(R)[None, :] < lengths[:, None]).astype(jnp.int32)
     repeat = lambda x: jnp.repeat(x, G, axis=0, total_repeat_length=N)  # noqa: E731
     result = RolloutResult(tokens=rows(jnp.concatenate([repeat(prompt_ids), ids], axis=1)),
                            attention_mask=rows(jnp.concatenate([repeat(prompt_mask), mask], axis=1)),
                            response_ids=rows(ids), response_mask=rows(mask), log_probs=rows(logps),
-                           truncated=rows(~done & wanted), prompt_len=prompt_len)
+                           truncated=rows(~done & wanted), prompt_len=prompt_len,
+                           **{k: rows(v) for k, v in zip(("entropy", "pi2_dev"), stats)})
     return result, steps
 
 
