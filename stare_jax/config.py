@@ -195,7 +195,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.ppo.grad_accum = 1                  # micro-batches per optimizer step (exact token-mean)
     c.ppo.share_prompt = True             # run each group's shared prompt through the update's forward once
     c.ppo.pack_tokens = 0                 # > 0: the update runs on each row's tokens up to its end, packed in
-                                          # buffers rounded up to this many tokens per device (0: padded grid)
+                                          # buffers rounded up to this many tokens per device (0: padded grid;
+                                          # with K micro-batches each buffer to a multiple of this / K)
     c.ppo.pack_buckets = "linear"         # packed capacities: multiples of pack_tokens ("linear"), or
                                           # pack_tokens x {1, 2, 3, 4, 6, 8, 12, ...} ("geometric": fewer
                                           # compilations, more padding; for accelerators)

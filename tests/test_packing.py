@@ -43,6 +43,9 @@ def test_layout_capacity_index_and_round_trip():
     assert packed_capacity(mask, shards=2, multiple=1000) == 4 * R  # never above the block's grid
     # 2 micro-batches (rows {2i}, {2i + 1}) of 2 blocks: {16, 1}, {5, 2}, {3, 9}, {16, 11} -> 27.
     assert packed_capacity(mask, shards=2, multiple=1, micro_batches=2) == 27
+    # each micro-batch rounds to multiple / K: 27 -> 28 with 8 / 2 (a whole 8 would pad it to 32)
+    assert packed_capacity(mask, shards=2, multiple=8, micro_batches=2) == 28
+    assert packed_capacity(mask, shards=2, multiple=7, micro_batches=2) == 28  # 7 / 2 rounded up: 4
     with pytest.raises(ValueError, match="split"):
         packed_capacity(mask, shards=3, multiple=1)
 

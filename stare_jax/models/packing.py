@@ -86,8 +86,11 @@ def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, mi
 
     The rows are cut like the update cuts them: micro-batch k holds rows {i K + k} (K =
     `micro_batches`), each split into `shards` contiguous blocks; C is the largest block's kept
-    token count rounded up to its bucket (`bucket_capacity` of `multiple` and `buckets`), and at
-    most the block's full grid (rows per block * R).
+    token count rounded up to its bucket (`bucket_capacity` of `buckets` and the micro-batch's
+    multiple, `multiple` / K rounded up: a device's K buffers then add up to about one bucket of
+    `multiple`, padded as a single pass's would be, where a whole `multiple` per micro-batch
+    padded four micro-batches of 1,401 tokens to 2,048 each), and at most the block's full grid
+    (rows per block * R).
     """
     mask = np.asarray(response_mask)
     N, R = mask.shape
@@ -96,7 +99,8 @@ def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, mi
     lengths = kept_lengths(mask).astype(np.int64)
     per_block = lengths.reshape(N // micro_batches, micro_batches).T.reshape(micro_batches, shards, -1).sum(-1)
     full = N // (micro_batches * shards) * R
-    return int(min(full, bucket_capacity(int(per_block.max()), multiple, buckets)))
+    step = -(-max(int(multiple), 1) // micro_batches)
+    return int(min(full, bucket_capacity(int(per_block.max()), step, buckets)))
 
 
 def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int) -> np.ndarray:
