@@ -479,6 +479,7 @@ def test_dynamic_sampling_with_slots_generates_only_the_missing_groups(tiny_mode
     c.data.prompt_batch_size, c.rollout.group_size, c.rollout.max_new_tokens = 4, 4, 6
     c.data.max_prompt_len, c.data.prompt_bucket_multiple = 5, 0
     c.dynamic_sampling.enabled, c.rollout.slots = True, num_slots
+    c.ppo.grad_accum = 2 if devices == 2 else 1  # then the update reads the sampler's entropy and Q
     rs = np.random.RandomState(0)
 
     def prompt_batches():
@@ -493,6 +494,10 @@ def test_dynamic_sampling_with_slots_generates_only_the_missing_groups(tiny_mode
     assert metrics["dynamic_sampling_gen_batches"] == 2 and batch["rewards"].shape == (16,)
     assert metrics["dynamic_sampling_kept_frac"] == (4 / 6 if num_slots else 4 / 8)
     assert (batch["response_mask"].sum(axis=1) == 6).all()  # every kept response was generated
+    assert ("old_entropy" in batch) == ("old_pi2_dev" in batch) == (devices == 2)
+    if devices == 2:  # kept groups of both generation batches, row for row with their log-probs
+        assert batch["old_entropy"].shape == batch["old_log_probs"].shape == (16, 6)
+        assert (batch["old_entropy"] > 0).all() and np.isfinite(batch["old_pi2_dev"]).all()
     # The second batch's second generated group is the one kept: group 1 of the batch, or on two
     # devices group 2 (device 1's first group; device 0 generated group 0).
     kept = 2 if num_slots and devices == 2 else 1
