@@ -7,10 +7,11 @@ import pytest
 
 from stare_jax import parallel
 from stare_jax.compilation import CompilationCounter
-from stare_jax.models.packing import (balanced_group_order, gather_packed, kept_lengths, packed_capacity, packed_rows_and_columns,
+from stare_jax.models.packing import (balanced_group_order, balanced_micro_order, gather_packed, kept_lengths, packed_capacity, packed_rows_and_columns,
                                       packed_token_index, scatter_packed)
 from stare_jax.rl import make_update_step
-from tests.test_rl_update import G, N, P_LEN, VOCAB, assert_trees_close, fresh_state, make_config, update_once
+from tests.test_rl_update import (G, N, P_LEN, VOCAB, assert_trees_close, fresh_state, make_config, params_of,
+                                  update_once)
 
 R = 16
 LENGTHS = np.array([16, 3, 1, 9, 5, 16, 2, 11])
@@ -96,6 +97,41 @@ def test_packed_update_equals_the_padded_update(mesh4, overrides):
     assert m_padded["loss"] != 0.0 and m_padded["grad_norm"] > 0.0
     # AdamW's m / sqrt(v) turns float32 rounding of a near-zero gradient into up to a few % of lr = 1e-4
     assert_trees_close(p_packed, p_padded, atol=5e-6)
+
+
+def test_micro_batches_balanced_inside_groups_give_the_padded_update():
+    """With several micro-batches of one mini-batch, `arrange` also moves rows inside their groups
+    so the strided micro-batches hold even token counts (`balanced_micro_order`): in group 0 (one
+    group a row block) micro-batch 0, rows {0, 2}, held 16 + 9 tokens and micro-batch 1 1 + 3, in
+    group 1 5 + 2 and 16 + 11; balanced, every row stays in its group, the fullest block holds 18
+    tokens instead of 27, and the update still equals the padded one."""
+    lengths = np.array([16, 1, 9, 3, 5, 16, 2, 11])
+    mask = (np.arange(R)[None] < lengths[:, None]).astype(np.float32)
+    order = balanced_micro_order(mask, 4, 2, 2)
+    assert sorted(order.tolist()) == list(range(N)) and (order // 4 == np.arange(N) // 4).all()
+    assert order.tolist() == [0, 2, 1, 3, 5, 7, 6, 4]  # {16, 1} and {9, 3}; {16, 2} and {11, 5}
+    fullest = lambda o: packed_capacity(mask[o], shards=2, multiple=1, micro_batches=2)  # noqa: E731
+    assert fullest(order) == 18 < fullest(np.arange(N)) == 27
+    assert balanced_micro_order(mask, 4, 3, 2).tolist() == list(range(N))  # 3 does not divide G = 4
+    assert balanced_micro_order(mask, 4, 1, 2).tolist() == list(range(N))
+
+    mesh2 = parallel.make_mesh(data=2, devices=jax.devices()[:2])
+    batch = long_batch(lengths)
+    overrides = {"update.grad_accum": 2, "loss.name": "hapo"}
+    _, m_padded, p_padded = update_once(make_config(**overrides), mesh2, batch)
+    config = make_config(**overrides, **{"update.pack_tokens": 1})
+    ts = fresh_state(config, mesh2)
+    step = make_update_step(config, mesh2, ts)
+    arranged, packing = step.arrange(batch)
+    assert not np.array_equal(arranged["input_ids"], batch["input_ids"]) and packing.capacity == 18
+    ts, m = step(ts, parallel.shard_batch(arranged, mesh2), jax.random.key(0), packing=packing)
+    for k in m_padded:
+        np.testing.assert_allclose(float(m[k]), m_padded[k], atol=2e-6, rtol=5e-5, err_msg=k)
+    assert m_padded["loss"] != 0.0
+    assert_trees_close(params_of(ts), p_padded, atol=5e-6)
+    # several mini-batches: rows stay where they are (which rows a mini-batch holds would change)
+    other = make_update_step(make_config(**{"update.num_minibatches": 2, "update.pack_tokens": 1}), mesh2, ts)
+    assert other.arrange(batch)[0] is batch
 
 
 def test_packed_capacity_buckets_bound_recompilation(mesh4):

@@ -129,6 +129,43 @@ def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int
     return (groups[:, None] * group_size + np.arange(group_size)[None, :]).reshape(-1)
 
 
+def balanced_micro_order(response_mask: np.ndarray, group_size: int, micro_batches: int, shards: int) -> np.ndarray:
+    """Host side: a row permutation [N] that moves rows inside their groups of `group_size` so
+    that the `micro_batches` strided micro-batches (micro-batch k: rows {i K + k}) hold even kept
+    token counts in each of the `shards` contiguous row blocks (the buffers `packed_capacity`
+    sizes by the fullest of them).
+
+    With K dividing G, position p of a group falls in micro-batch p mod K, so every micro-batch
+    keeps G / K rows of every group whatever the order inside it. Per block, group by group, the
+    group's rows in decreasing token count each go to the micro-batch with the fewest tokens so far
+    among those with room left in the group (longest processing time first). The identity when K
+    is 1 or does not divide G, the groups do not divide evenly over the blocks, or the result is
+    no more even than the order as it is.
+    """
+    mask = np.asarray(response_mask)
+    N, G, K = mask.shape[0], int(group_size), int(micro_batches)
+    identity = np.arange(N)
+    if K <= 1 or G % K or N % G or (N // G) % shards:
+        return identity
+    tokens = kept_lengths(mask).astype(np.int64)
+    order = identity.copy()
+    per_block = N // shards
+    for start in range(0, N, per_block):
+        load = np.zeros(K, np.int64)
+        for g in range(start, start + per_block, G):
+            room = np.full(K, G // K)
+            for r in g + np.argsort(-tokens[g:g + G], kind="stable"):
+                k = min((k for k in range(K) if room[k]), key=lambda k: (load[k], k))
+                order[g + (G // K - room[k]) * K + k] = r
+                room[k] -= 1
+                load[k] += tokens[r]
+
+    def fullest(o):
+        return tokens[o].reshape(N // K, K).T.reshape(K, shards, -1).sum(-1).max()
+
+    return order if fullest(order) < fullest(identity) else identity
+
+
 def packed_token_index(response_mask: jax.Array, capacity: int, shards: int) -> jax.Array:
     """[S, C] int32 positions (local row * R + column) of each row block's kept tokens, row-major,
     padded with the out-of-range index rows_per_block * R (see the module docstring)."""

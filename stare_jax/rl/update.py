@@ -79,7 +79,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import cpu_gemm, gpu_gemm, parallel
 from stare_jax.models.decoder import positions_from_mask
-from stare_jax.models.packing import (Packing, balanced_group_order, block_count, gather_packed, packed_capacity,
+from stare_jax.models.packing import (Packing, balanced_group_order, balanced_micro_order, block_count, gather_packed, packed_capacity,
                                       packed_rows_and_columns, scatter_packed)
 from stare_jax.rl.advantages import group_advantages
 from stare_jax.rl.diagnostics import polarity_entropy_diagnostics, polarity_entropy_quadrants, quadrant_diagnostics
@@ -573,13 +573,21 @@ class UpdateStep:
         """Host side, before sharding: (batch, packing) for a host batch. With packing, whole groups
         are reordered so that the row blocks of the batch shards hold even token counts
         (`packing.balanced_group_order`; the update is the same up to float rounding in any group
-        order) and the packed layout is computed from the reordered mask. Without: (batch, None)."""
+        order) and the packed layout is computed from the reordered mask. With several
+        micro-batches of one mini-batch and global selection, rows also move inside their groups
+        so that the micro-batches hold even token counts (`packing.balanced_micro_order`: the
+        same rows in the one mini-batch, whose loss is a sum over its micro-batches; the rows of a
+        group are exchangeable). Without packing: (batch, None)."""
         s = self.settings
         if not s.pack_tokens:
             return batch, None
         R = np.shape(batch["response_mask"])[1]
         mask = np.asarray(batch["attention_mask"])[:, -R:]
-        order = balanced_group_order(mask, s.group_size, block_count(self.mesh, mask.shape[0]))
+        N = mask.shape[0]
+        order = balanced_group_order(mask, s.group_size, block_count(self.mesh, N))
+        if s.num_micro > 1 and s.num_minibatches == 1 and s.stare.selection_scope == "global" and N % s.num_micro == 0:
+            order = order[balanced_micro_order(mask[order], s.group_size, s.num_micro,
+                                               block_count(self.mesh, N // s.num_micro))]
         if not np.array_equal(order, np.arange(len(order))):
             batch = {k: np.asarray(v)[order] for k, v in batch.items()}
         return batch, self.packing(batch)
