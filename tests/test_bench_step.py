@@ -702,13 +702,15 @@ def test_paired_setting_overrides_a_copy_and_bad_ones_exit_2():
 
 def test_bench_step_times_a_paired_setting_on_the_same_batches():
     """`--paired-setting`: the stare-jax worker times a second update built with the overrides on
-    every step's batch, and the result compares the two (per step, median speedup, each one's MFU)."""
+    every step's batch (here in two micro-batches), and the result compares the two (per step,
+    median speedup, each one's MFU)."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--steps", "1", "--smoke",
-                        "--paired-setting", '{"model.vocab_chunk": 512}'],
+                        "--paired-setting", '{"model.vocab_chunk": 512, "ppo.grad_accum": 2}'],
                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["paired_setting"] == {"model.vocab_chunk": 512}
+    assert out["paired_setting"] == {"model.vocab_chunk": 512, "ppo.grad_accum": 2}  # its own micro-batches,
+    # on the sampler's entropy and Q, which the worker's rollout records for it
     step = out["participants"]["stare-jax"]["per_step"][0]
     assert step["paired_update_s"] == out["paired_median_update_s"] > 0
     # the per-step times are rounded to 0.1 ms in the JSON and a smoke update takes ~15 ms, so the

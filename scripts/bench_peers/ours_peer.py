@@ -12,7 +12,9 @@ loss and times its update on the same batch right after (every other step: right
 STARE update, reporting it as `grpo_update_s`: STARE's overhead without the noise between
 processes. `paired_setting` (config overrides, e.g. {"model.vocab_chunk": 1024}) does the same for
 a second update built with those overrides, reported as `paired_update_s`: two settings of the
-update compared on the same batches, alternating in one process. See common.py for the protocol.
+update compared on the same batches, alternating in one process; each update arranges the batch
+for its own micro-batches (`UpdateStep.arrange`), and the sampler records the entropy and Q that
+either reads (`ppo.old_stats`). See common.py for the protocol.
 
 The real-model workload (common.is_real) loads the pretrained directory with its own tokenizer,
 left-pads the chat-templated prompts, stops each response at the model's EOS ids, scores with
@@ -214,6 +216,8 @@ def serve(workload: dict, config) -> None:
             other, paired_key = with_overrides(config, workload["paired_setting"]), "paired_update_s"
         other_state = create_train_state(load_policy(workload, other, mesh).model, other, mesh=mesh)
         paired = [other_state, make_update_step(other, mesh, other_state)]
+    # the sampler records the entropy and Q an update in several micro-batches reads (`ppo.old_stats`)
+    token_stats = update.settings.takes_sampler_stats or (paired is not None and paired[1].settings.takes_sampler_stats)
     base_key = jax.random.key(config.seed)
     step = 0
 
@@ -238,18 +242,25 @@ def serve(workload: dict, config) -> None:
         key = jax.random.fold_in(base_key, step)
         t0 = time.perf_counter()
         batch, metrics = collect_batch(config, train_state.model, tokenizer, data_iter, pool,
-                                       jax.random.fold_in(key, 0), eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+                                       jax.random.fold_in(key, 0), eos_ids=eos_ids, pad_id=pad_id, mesh=mesh,
+                                       token_stats=token_stats)
         t1 = time.perf_counter()
+        host_batch = batch
         batch, packing = update.arrange(batch)  # as the trainer does: groups balanced, layout from host memory
         sharded = parallel.shard_batch(batch, mesh)
+        if paired is not None:  # the paired update's own arrangement (its micro-batches may differ), untimed
+            paired_batch, paired_packing = paired[1].arrange(host_batch)
+            paired_sharded = parallel.shard_batch(paired_batch, mesh)
         switched = allocator.release_cache_on_switch(packing)  # as the trainer: one program's temporaries cached
         paired_first = paired is not None and step % 2 == 1  # alternate which update runs first
         if paired_first:
-            paired[0], _, paired_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
+            paired[0], _, paired_s = timed_update(paired[0], paired[1], paired_sharded, jax.random.fold_in(key, 1),
+                                                  paired_packing)
         train_state, out, update_s = timed_update(train_state, update, sharded, jax.random.fold_in(key, 1), packing)
         update_kernel = dict(kernel)
         if paired is not None and not paired_first:
-            paired[0], _, paired_s = timed_update(paired[0], paired[1], sharded, jax.random.fold_in(key, 1), packing)
+            paired[0], _, paired_s = timed_update(paired[0], paired[1], paired_sharded, jax.random.fold_in(key, 1),
+                                                  paired_packing)
         step += 1
         lens = batch["response_mask"].sum(axis=1).astype(int)
         tokens = int(lens.sum())
