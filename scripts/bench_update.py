@@ -164,13 +164,15 @@ def main() -> None:
             config_lib.validate(config, jax.device_count())
         except config_lib.ConfigError as e:
             refuse(f"bench_update: --setting {json.dumps(setting)}: {e}")
+    batch = None
     if os.path.exists(args.batch_cache):
         with open(args.batch_cache, "rb") as f:
-            if "old_entropy" not in pickle.load(f):  # cached before the sampler recorded its statistics
-                print(f"bench_update: {args.batch_cache} lacks the sampler's entropy and Q; sampling it again "
-                      "from the same prompts and key", file=sys.stderr)
-                os.remove(args.batch_cache)
-    if not os.path.exists(args.batch_cache):
+            batch = pickle.load(f)
+        if "old_entropy" not in batch:  # cached before the sampler recorded its statistics
+            print(f"bench_update: {args.batch_cache} lacks the sampler's entropy and Q; sampling it again "
+                  "from the same prompts and key", file=sys.stderr)
+            batch = None
+    if batch is None:
         from stare_jax.rewards import RewardPool
         from stare_jax.trainer import collect_batch
 
@@ -184,12 +186,11 @@ def main() -> None:
         with RewardPool(base.reward.name, num_workers=1, timeout_s=base.reward.timeout_s) as pool:
             batch, _ = collect_batch(base, state.model, tok, iter(lambda: prompts, None), pool, jax.random.key(0),
                                      eos_ids=eos, pad_id=pad, mesh=mesh, token_stats=True)
+        batch = jax.tree.map(np.asarray, batch)
         os.makedirs(os.path.dirname(os.path.abspath(args.batch_cache)), exist_ok=True)
         with open(args.batch_cache, "wb") as f:
-            pickle.dump(jax.tree.map(np.asarray, batch), f)
+            pickle.dump(batch, f)
         del state, policy
-    with open(args.batch_cache, "rb") as f:
-        batch = pickle.load(f)
 
     peaks: dict[tuple[str, str], float] = {}  # XLA's matmul peak on this device in each setting's dtype and
     # matmul precision (the MFU's denominator)

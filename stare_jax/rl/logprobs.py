@@ -301,7 +301,10 @@ _token_stats.defvjp(_token_stats_fwd, _stats_bwd)
 
 
 def naive_token_stats(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> TokenStats:
-    """Reference computation from full logits [N, T, V] (tests and small vocabularies only)."""
+    """log pi(targets), H and Q = sum_j pi_j^2 (s_j - H) from full logits [..., V] (float32): the
+    reference of the chunked pass in tests, and the sampler's per-step statistics over the [rows, V]
+    logits it holds anyway (`rollout.generate(token_stats=True)`). Materialises the whole
+    distribution, so never for an update's [N, T, V]."""
     z = logits.astype(jnp.float32) / temperature
     logp = jax.nn.log_softmax(z, axis=-1)
     p = jnp.exp(logp)

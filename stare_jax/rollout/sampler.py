@@ -52,7 +52,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stare_jax import gpu_gemm as gpu_gemm_lib, parallel
 from stare_jax.models.decoder import Decoder, positions_from_mask, rope_table
 from stare_jax.rollout.decode import PromptCache, decode_step, empty_response_cache, layer_params, prompt_cache
-from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_entropy_and_q, token_log_probs, uniforms_at
+from stare_jax.rl.logprobs import naive_token_stats
+from stare_jax.rollout.sampling import SamplingParams, choose_tokens, token_log_probs, uniforms_at
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -170,7 +171,7 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     (`stare_jax.gpu_gemm`; "auto" keeps full-float32 products on Triton GEMMs without the
     autotuner's search); nothing off a GPU.
     `token_stats`: the result also holds each response position's entropy H and Q = sum_j pi_j^2
-    (s_j - H) of the policy at temperature 1 (`sampling.token_entropy_and_q`), the pre-update
+    (s_j - H) of the policy at temperature 1 (`rl.logprobs.naive_token_stats`), the pre-update
     statistics a multi-step update reads instead of recomputing them (`ppo.old_stats`); the tokens
     and log-probs are the same either way.
     """
@@ -537,9 +538,12 @@ def _record(spec: RolloutSpec, uniforms, stop_lengths, stage: _Stage, outputs, t
 def token_floats(spec: RolloutSpec, logits: jax.Array, token: jax.Array) -> tuple[jax.Array, ...]:
     """What a rollout records per row for the chosen `token` [n] from `logits` [n, V], float32 [n]
     each: its log-prob at temperature 1, and with `spec.token_stats` also the entropy and Q of the
-    row's distribution (`sampling.token_entropy_and_q`)."""
+    row's distribution at temperature 1 (`rl.logprobs.naive_token_stats` of the step's logits)."""
     logp = token_log_probs(logits, token)
-    return (logp, *token_entropy_and_q(logits)) if spec.token_stats else (logp,)
+    if not spec.token_stats:
+        return (logp,)
+    stats = naive_token_stats(logits, token)
+    return logp, stats.entropy, stats.pi2_dev
 
 
 def _compact(stage: _Stage, done: jax.Array, rows: int, N: int, G: int, prompt: PromptCache,

@@ -106,19 +106,6 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return chosen - jax.nn.logsumexp(logits, axis=-1)
 
 
-def token_entropy_and_q(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row of `logits` [N, V], at temperature 1 and in float32 [N] each: the entropy
-    H = -sum_j pi_j log pi_j of pi = softmax(logits), and Q = sum_j pi_j^2 (s_j - H) with the
-    surprisal s_j = -log pi_j (the diagnostics quantity of `rl.logprobs.token_stats`). The sampler
-    records them beside each token's log-prob when the update takes its pre-update statistics from
-    the rollout (`ppo.old_stats = "sampler"`, `rl/update.py`)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    entropy = -jnp.sum(p * logp, axis=-1)
-    q = jnp.sum(p * p * (-logp - entropy[:, None]), axis=-1)
-    return entropy, q
-
-
 def uniforms_at(rng: jax.Array, shape: tuple[int, int]) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """u(t, r) = jax.random.uniform(rng, shape, float32)[t, r], bit for bit, for int arrays t, r of
     one shape, without drawing the other numbers of the [R, N] array when that is possible.
