@@ -48,7 +48,11 @@ The last line printed is one JSON object:
         over the paired one's (> 1: the paired setting is faster); `paired_malloc_limit_gb` the
         worker's oneTBB cache bound in GB on a CPU host (0.8 of the physical memory, see
         `paired_malloc_limit_gb()`; null when STARE_JAX_MALLOC_LIMIT_GB was set, or off the CPU)
-    load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds
+    load_avg_before/after, cpu_steal_frac: how busy the machine was during the timed rounds (each
+        timed step's own `cpu_steal_frac` is in its participant's per_step: the share of the host's
+        CPU time a hypervisor took while that step ran)
+    speedup_by_round: {peer: [peer step / stare-jax step of round i, ...]} (with --peer): the rounds
+        behind the median `speedup`
     host_memory: {total_mb, min_available_mb, peak_used_mb, samples}: the host's memory sampled every
         second over the whole invocation, warm-ups included (`HostMemoryWatch`; null off Linux): how
         close the participants together came to the machine's memory
@@ -184,7 +188,8 @@ class Worker:
                      if k in ("step_s", "rollout_s", "update_s", "reward_s", "tokens", "compilations",
                               "packed_capacity", "response_lens", "update_sys_s", "update_minor_faults",
                               "step_peak_rss_mb", "cache_emptied_at_switch",
-                              "grpo_update_s", "paired_update_s", "sampler_approx_kl", "policy_disagreement")}
+                              "grpo_update_s", "paired_update_s", "sampler_approx_kl", "policy_disagreement",
+                              "cpu_steal_frac")}
                     for st in self.steps],
                 **{k: v for k, v in self.info.items() if k != "ready"}}
 
@@ -215,6 +220,22 @@ def steady_state(result: dict) -> dict:
         out["steady_speedup"] = {n: round(result["participants"][n]["median_step_s"] / out["steady_median_step_s"], 2)
                                  for n in peers}
     return out
+
+
+def round_speedups(participants: dict) -> dict[str, list[float]]:
+    """Each peer's step time over stare-jax's, round by round: the i-th timed step of each, which the
+    alternating protocol ran next to each other (peer step_s[i] / stare-jax step_s[i], 2 decimals;
+    under `--protocol blocks` the i-th steps of each participant's block).
+    The medians (`speedup`) summarise them; the rounds show how far one hour's host moved them."""
+    ours = [st["step_s"] for st in participants["stare-jax"]["per_step"]]
+    return {name: [round(st["step_s"] / o, 2) for st, o in zip(p["per_step"], ours)]
+            for name, p in participants.items() if name != "stare-jax" and "per_step" in p}
+
+
+def steal_fraction(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the host's CPU time the hypervisor took between two `cpu_steal_jiffies` readings
+    (0 where /proc/stat gives none)."""
+    return round((after[1] - before[1]) / max(1, after[0] - before[0]), 3)
 
 
 def cpu_steal_jiffies() -> tuple[int, int]:
@@ -522,6 +543,8 @@ def main() -> None:
             with open(args.resummarize) as f:
                 saved = json.load(f)
             saved.update(steady_state(saved))
+            if round_speedups(saved["participants"]):  # results saved before the field existed
+                saved["speedup_by_round"] = round_speedups(saved["participants"])
         except (OSError, ValueError, KeyError) as e:
             print(f"bench_step: cannot resummarize {args.resummarize}: {e}", file=sys.stderr)
             raise SystemExit(2)
@@ -627,10 +650,12 @@ def main() -> None:
             for r, name in step_schedule([wk.name for wk in workers], args.steps, args.protocol):
                 wk = by_name[name]
                 time.sleep(0.5)  # lets the previous worker's idle threads (OpenMP) stop spinning
+                step_stat = cpu_steal_jiffies()
                 out = wk.step()
+                out["cpu_steal_frac"] = steal_fraction(step_stat, cpu_steal_jiffies())  # this step's own
                 print(f"[bench_step] round {r} {wk.name}: step {out['step_s']:.3f}s "
-                      f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s)", file=sys.stderr,
-                      flush=True)
+                      f"(rollout {out['rollout_s']:.3f}s, update {out['update_s']:.3f}s, "
+                      f"CPU steal {out['cpu_steal_frac']:.1%})", file=sys.stderr, flush=True)
             load_after = os.getloadavg()[0]
             stat_after = cpu_steal_jiffies()
             peak_after = workers[0].matmul_peak_gflops()  # the host's speed may drift over an invocation
@@ -675,10 +700,11 @@ def main() -> None:
                                     mid["response_lens"] if real else None),
                   participants=summaries, host_cpu=common.host_cpu(), cpu_count=os.cpu_count(),
                   load_avg_before=round(load_before, 2), load_avg_after=round(load_after, 2),
-                  cpu_steal_frac=round((stat_after[1] - stat_before[1]) / max(1, stat_after[0] - stat_before[0]), 3),
+                  cpu_steal_frac=steal_fraction(stat_before, stat_after),
                   host_memory=host_memory.summary())
     if args.peer:
         result["speedup"] = {p: round(summaries[p]["median_step_s"] / ours["median_step_s"], 2) for p in args.peer}
+        result["speedup_by_round"] = round_speedups(summaries)
     if args.grpo:
         steps = workers[0].steps
         result["grpo_median_update_s"] = round(statistics.median(s["grpo_update_s"] for s in steps), 4)

@@ -48,6 +48,9 @@ def test_bench_step_prints_contract_keys_and_checks_its_workload():
     assert names == ["[stare-jax worker] policy loaded on cpu", "[stare-jax worker] bandwidth and matmul peak measured",
                      "[stare-jax worker] first step done"], stages
     assert all(s["step_peak_rss_mb"] > 0 for s in ours["per_step"])
+    # the hypervisor's share of the CPU while each timed step ran, beside the whole rounds' share
+    assert all(0 <= s["cpu_steal_frac"] <= 1 for s in ours["per_step"]) and 0 <= out["cpu_steal_frac"] <= 1
+    assert "speedup_by_round" not in out  # no peer
     # the host's memory over the whole invocation: the worker's anonymous memory (most of its RSS) counts in it
     mem = out["host_memory"]
     assert mem["samples"] >= 2 and 0 <= mem["min_available_mb"] < mem["total_mb"]
@@ -856,3 +859,22 @@ def test_bench_update_builds_each_update_at_its_settings_matmul_precision(tmp_pa
     assert seen == ["True", "False"], r.stdout[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [row["setting"] for row in rows] == [{"model.matmul_precision": "float32"}, {}]
+
+
+def test_round_speedups_pair_each_peers_step_with_ours_of_the_same_round(tmp_path):
+    """speedup_by_round: peer step / stare-jax step round by round (a peer without per-step figures is
+    left out); steal_fraction: the steal jiffies' share of all jiffies between two readings;
+    --resummarize adds the rounds to a result saved without them."""
+    bs = _bench_step_module()
+    participants = {"stare-jax": {"per_step": [{"step_s": 1.0}, {"step_s": 0.5}, {"step_s": 2.0}]},
+                    "trl": {"per_step": [{"step_s": 2.5}, {"step_s": 1.0}, {"step_s": 3.0}]},
+                    "tunix": {"median_step_s": 4.0}}
+    assert bs.round_speedups(participants) == {"trl": [2.5, 2.0, 1.5]}
+    assert bs.steal_fraction((1000, 10), (1400, 110)) == 0.25
+    assert bs.steal_fraction((0, 0), (0, 0)) == 0.0  # no /proc/stat
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps({"participants": participants}))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_step.py"), "--resummarize", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["speedup_by_round"] == {"trl": [2.5, 2.0, 1.5]}
