@@ -543,8 +543,9 @@ def main() -> None:
             with open(args.resummarize) as f:
                 saved = json.load(f)
             saved.update(steady_state(saved))
-            if round_speedups(saved["participants"]):  # results saved before the field existed
-                saved["speedup_by_round"] = round_speedups(saved["participants"])
+            by_round = round_speedups(saved["participants"])  # also for results saved before the field
+            if by_round:
+                saved["speedup_by_round"] = by_round
         except (OSError, ValueError, KeyError) as e:
             print(f"bench_step: cannot resummarize {args.resummarize}: {e}", file=sys.stderr)
             raise SystemExit(2)
