@@ -53,7 +53,7 @@ TODELETE = "todelete"
 
 # Keys that may change between a run and its resumption: they do not alter what the saved state
 # means (logging, evaluation, checkpoint cadence, run length, device layout, verifier resources, where
-# compiled programs are cached, the float rounding of computations: rematerialisation, the
+# compiled programs are cached, the float rounding of computations: rematerialisation, attention in blocks, the
 # vocabulary chunk and whether its logits are kept, packing, a GPU's GEMM kernels, the decode
 # layers' layout, the static batch's compaction, and whether a multi-step update's pre-update
 # statistics come from the sampler or a pre-pass).
@@ -61,7 +61,7 @@ RESUMABLE_CHANGES = ("total_steps", "checkpoint_every", "keep_checkpoints", "che
                      "test_freq", "compilation_cache_dir",
                      "logging.", "eval.", "mesh.", "distributed.", "reward.timeout_s", "reward.num_workers",
                      "data.data_dir", "data.prompt_bucket_multiple", "model.preset", "model.scan_layers",
-                     "model.remat", "model.remat_saves", "model.remat_saves_layers", "model.vocab_chunk", "model.vocab_keep_logits_mb",
+                     "model.remat", "model.remat_saves", "model.remat_saves_layers", "model.attention_block", "model.vocab_chunk", "model.vocab_keep_logits_mb",
                      "dynamic_sampling.max_num_gen_batches", "ppo.pack_tokens", "ppo.pack_buckets", "rollout.decode_layout",
                      "rollout.compact_min_rows", "model.matmul_precision", "model.gpu_gemm",
                      "model.cpu_gemm", "ppo.old_stats")

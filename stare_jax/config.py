@@ -77,6 +77,9 @@ def default_config() -> ml_collections.ConfigDict:
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.remat_saves_layers = -1      # how many layers keep what remat_saves names: the last k (whose
                                          #   backward runs first); the others recompute everything. -1: all
+    c.model.attention_block = 1024       # self-attention over more positions than this runs in blocks of this
+                                         #   many (flash-style: no [T, T] score matrix, memory linear in the
+                                         #   length; models/blockwise_attention.py); 0: always the whole matrix
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
     c.model.vocab_chunk = 8192           # vocabulary columns per step of the log-softmax / entropy pass (1024:
@@ -324,6 +327,7 @@ SCHEMA: dict[str, Field] = {
     "model.matmul_precision": _choice(*MATMUL_PRECISIONS),
     "model.remat_saves": _choice("nothing", "mlp", "projections"), "model.scan_layers": _BOOL, "model.vocab_chunk": _int(1),
     "model.remat_saves_layers": _int(-1),
+    "model.attention_block": _int(0),
     "model.vocab_keep_logits_mb": _int(0),
     "model.gpu_gemm": _choice(*GPU_GEMM_CHOICES), "model.cpu_gemm": _choice(*CPU_GEMM_CHOICES),
     "model.embedded.hidden_size": _int(8), "model.embedded.num_layers": _int(1),

@@ -214,6 +214,7 @@ def abstract_train_state(config, cfg, mesh=None):
         return Decoder(cfg, dtype=DTYPES[config.model.dtype], param_dtype=DTYPES[config.model.param_dtype],
                        remat=config.model.remat, remat_saves=config.model.remat_saves,
                        remat_saves_layers=config.model.remat_saves_layers,
+                       attention_block=config.model.attention_block,
                        scan_layers=config.model.scan_layers, mesh=mesh, rngs=nnx.Rngs(0))
 
     def make():

@@ -51,7 +51,7 @@ def policy_options(config) -> dict:
     builds the policy of a config (the trainer, the benchmarks' workers) takes them from here."""
     m = config.model
     return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, remat_saves=m.remat_saves,
-                remat_saves_layers=m.remat_saves_layers,
+                remat_saves_layers=m.remat_saves_layers, attention_block=m.attention_block,
                 scan_layers=m.scan_layers)
 
 

@@ -64,7 +64,7 @@ def test_bad_config_exits_2_naming_the_key(capsys, override, key):
                                     "allowed in stare: stare.adaptive, "),
     # a misspelt section: named, with the section above it (subsections listed as entries)
     ("--config.model.embeded.hidden_size=8", "config error: model.embeded: unknown section; did you mean "
-                                             "model.embedded.hidden_size? allowed in model: model.cpu_gemm, "),
+                                             "model.embedded.hidden_size? allowed in model: model.attention_block, model.cpu_gemm, "),
     ("--config.stare.zzz=1", "config error: stare.zzz: unknown key; allowed in stare: stare.adaptive, "),
 ])
 def test_unknown_key_names_its_first_unknown_part_and_the_nearest_key(capsys, override, line):

@@ -22,12 +22,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
 from stare_jax.models.attention import grouped_response_attention
+from stare_jax.models.blockwise_attention import MASK_VALUE, causal_attention
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
 from stare_jax.models.packing import Packing, gather_packed, packed_inverse_index, packed_token_index, scatter_packed
 from stare_jax.models.products import dot_nt, dot_tn, product_dtype
 
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
-_MASK_VALUE = -1e30
+_MASK_VALUE = MASK_VALUE
+
+# Self-attention over more positions than this runs in blocks of this many
+# (`models.blockwise_attention`: no [T, T] score matrix, memory linear in the length); shorter
+# sequences form the whole matrix (`model.attention_block`; 0: always the whole matrix).
+DEFAULT_ATTENTION_BLOCK = 1024
 
 # What a rematerialised layer keeps from its forward pass for the backward (`model.remat_saves`):
 # "nothing" recomputes the whole layer (one extra forward, least memory); "mlp" keeps the MLP's
@@ -162,7 +168,8 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  remat: bool = False, remat_saves: str = "nothing", scan_layers: bool = True,
-                 mesh: Mesh | None = None, rngs: nnx.Rngs, remat_saves_layers: int = -1):
+                 mesh: Mesh | None = None, rngs: nnx.Rngs, remat_saves_layers: int = -1,
+                 attention_block: int = DEFAULT_ATTENTION_BLOCK):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.remat = remat
@@ -175,6 +182,9 @@ class Decoder(nnx.Module):
         if remat_saves_layers < -1:
             raise ValueError(f"remat_saves_layers must be -1 (every layer) or >= 0, got {remat_saves_layers}")
         self.remat_saves_layers = remat_saves_layers
+        if attention_block < 0:
+            raise ValueError(f"attention_block must be >= 0 (0: the whole score matrix), got {attention_block}")
+        self.attention_block = attention_block
         # scan_layers=False unrolls the layer loop: longer compiles, but no per-layer slicing and
         # stacking of weights and saved activations (about 15% faster fwd+bwd for small models on CPU).
         self.scan_layers = scan_layers
@@ -234,25 +244,36 @@ class Decoder(nnx.Module):
         cos, sin = rope_angles(cfg, positions)
         T = input_ids.shape[1]
         key_len = T if cache is None else cache[0].shape[2]
-        q_index = cache_index + jnp.arange(T)
-        allowed = (jnp.arange(key_len)[None, :] <= q_index[:, None])[None] & (kv_mask[:, None, :] > 0)
-        bias = jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]  # [B,1,1,T,S]
+        # Blockwise (no [T, S] matrix) where the keys are the T inputs themselves: no cache, or a
+        # prefill that fills a cache of exactly T slots from slot 0.
+        block = self.self_attention_block(T) if key_len == T and isinstance(cache_index, int) and cache_index == 0 else 0
+        if block:
+            bias = (kv_mask > 0).astype(jnp.float32)  # [B, T]: the keys' validity; causal inside
+        else:
+            q_index = cache_index + jnp.arange(T)
+            allowed = (jnp.arange(key_len)[None, :] <= q_index[:, None])[None] & (kv_mask[:, None, :] > 0)
+            bias = jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]  # [B,1,1,T,S]
 
         x = self.constrain_batch(x)
         if cache is None and self._per_device(x.shape[0]):
             def make_layer(inputs):
                 def layer(x, p, _):
-                    return _decoder_layer(cfg, self.dtype, p, x, *inputs, None, 0)[0], None
+                    return _decoder_layer(cfg, self.dtype, p, x, *inputs, None, 0, block)[0], None
                 return layer
 
             return self._final_norm(self._layers_by_device(make_layer, x, (cos, sin, bias))), None
 
         def layer(x, p, layer_cache):
-            x, new_cache = _decoder_layer(cfg, self.dtype, p, x, cos, sin, bias, layer_cache, cache_index)
+            x, new_cache = _decoder_layer(cfg, self.dtype, p, x, cos, sin, bias, layer_cache, cache_index, block)
             return self.constrain_batch(x), new_cache
 
         x, new_cache = self._run_layers(layer, x, cache)
         return self._final_norm(x), new_cache
+
+    def self_attention_block(self, length: int) -> int:
+        """The block size of causal self-attention over `length` positions: `attention_block` when
+        the sequence is longer than it (blockwise attention), else 0 (the whole score matrix)."""
+        return self.attention_block if 0 < self.attention_block < length else 0
 
     def grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
                               response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -306,7 +327,9 @@ class Decoder(nnx.Module):
         response_pos = jnp.where(response_mask > 0, response_pos, 0)
         causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
         as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
-        biases = (as_bias(causal(prompt_ids.shape[1])[None] & (prompt_mask[:, None, :] > 0))[:, None, None],
+        prompt_self = ((prompt_mask > 0).astype(jnp.float32) if self.self_attention_block(prompt_ids.shape[1]) else
+                       as_bias(causal(prompt_ids.shape[1])[None] & (prompt_mask[:, None, :] > 0))[:, None, None])
+        biases = (prompt_self,                                                    # [B, P] or [B,1,1,P,P]
                   as_bias(prompt_mask > 0),                                       # [B, P]
                   as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))     # [N, R, R]
         embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
@@ -383,6 +406,7 @@ class Decoder(nnx.Module):
         last block's (xp, xr). Per device (`_layers_by_device`) where the mesh allows it."""
         cfg, dtype = self.config, self.dtype
         index, inverse, N, R = moves if moves is not None else (None, None, None, None)
+        prompt_block = self.self_attention_block(xp.shape[1])
 
         def grouped_layer(rope_p, rope_r, biases, index, inverse, rows, constrain):
             grid = packed = None
@@ -391,7 +415,8 @@ class Decoder(nnx.Module):
                 packed = lambda t: constrain(gather_packed(t, index, inverse))  # noqa: E731
 
             def layer(carry, p, _):
-                xp, xr = _grouped_decoder_layer(cfg, dtype, p, *carry, rope_p, rope_r, biases, grid=grid, packed=packed)
+                xp, xr = _grouped_decoder_layer(cfg, dtype, p, *carry, rope_p, rope_r, biases, grid=grid, packed=packed,
+                                                prompt_block=prompt_block)
                 return (constrain(xp), constrain(xr)), None
             return layer
 
@@ -568,8 +593,11 @@ def mlp_residual(cfg: ModelConfig, p, x: jax.Array, dtype) -> jax.Array:
     return x + project(act, p["w_down"], p.get("b_down"), dtype)
 
 
-def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_index):
-    """One pre-norm block; returns the new residual stream and this layer's updated (k, v) cache."""
+def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_index, block: int = 0):
+    """One pre-norm block; returns the new residual stream and this layer's updated (k, v) cache.
+    With `block` > 0 the attention is causal self-attention in blocks of that many positions and
+    `bias` the keys' validity [B, T] (`blockwise_attention.causal_attention`), else `bias` is the
+    additive mask [B, 1, 1, T, S] of `_attend`."""
     B, T, _ = x.shape
     H, hd = cfg.num_heads, cfg.head_dim
     q, k, v = attention_inputs(cfg, dtype, p, x, cos, sin)
@@ -577,7 +605,8 @@ def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_i
         k_cache = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, cache_index, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, cache_index, 0, 0))
         k, v, cache = k_cache, v_cache, (k_cache, v_cache)
-    x = attention_residual(p, x, _attend(q, k, v, bias, dtype).reshape(B, T, H * hd), dtype)
+    attn = causal_attention(q, k, v, bias, block) if block else _attend(q, k, v, bias, dtype)
+    x = attention_residual(p, x, attn.reshape(B, T, H * hd), dtype)
     return mlp_residual(cfg, p, x, dtype), cache
 
 
@@ -592,9 +621,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype) ->
     return jnp.einsum("bkgts,bskd->btkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
 
 
-def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None):
+def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None,
+                           prompt_block: int = 0):
     """One pre-norm block over prompts xp [B, P, D] and the responses xr [N, R, D] of their groups
     (see `Decoder.grouped_hidden_states`); `biases` = additive masks (prompt-prompt [B,1,1,P,P],
+    or with `prompt_block` > 0 the prompt keys' validity [B, P] for blockwise self-attention;
     response-prompt [B, P], response-response [N, R, R]). The responses' attention is
     `grouped_response_attention` (blockwise causal, hand-written backward).
 
@@ -608,7 +639,7 @@ def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, b
     bias_pp, bias_rp, bias_rr = biases
     qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
     qr, kr, vr = attention_inputs(cfg, dtype, p, xr, *rope_r)
-    attn_p = _attend(qp, kp, vp, bias_pp, dtype)
+    attn_p = causal_attention(qp, kp, vp, bias_pp, prompt_block) if prompt_block else _attend(qp, kp, vp, bias_pp, dtype)
     attn_r = grouped_response_attention(grid(qr), kp, vp, grid(kr), grid(vr), bias_rp, bias_rr)
     N, R = attn_r.shape[:2]
 

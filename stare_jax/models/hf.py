@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from stare_jax import parallel
 from stare_jax.config import first_line
 from stare_jax.models.config import ModelConfig, UnsupportedModelError
-from stare_jax.models.decoder import Decoder
+from stare_jax.models.decoder import DEFAULT_ATTENTION_BLOCK, Decoder
 from stare_jax.models.safetensors_io import SafetensorsReader, write_file
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,12 @@ def _transposed(path: str) -> bool:
 
 
 def _decoder_factory(cfg: ModelConfig, dtype: str, param_dtype: str | None, remat: bool, scan_layers: bool,
-                     mesh: Mesh | None, seed: int = 0, remat_saves: str = "nothing", remat_saves_layers: int = -1):
+                     mesh: Mesh | None, seed: int = 0, remat_saves: str = "nothing", remat_saves_layers: int = -1,
+                     attention_block: int = DEFAULT_ATTENTION_BLOCK):
     pdt = DTYPES[param_dtype or dtype]
     return lambda: Decoder(cfg, dtype=DTYPES[dtype], param_dtype=pdt, remat=remat, remat_saves=remat_saves,
                            scan_layers=scan_layers, mesh=mesh, rngs=nnx.Rngs(seed),
-                           remat_saves_layers=remat_saves_layers)
+                           remat_saves_layers=remat_saves_layers, attention_block=attention_block)
 
 
 def param_sharding(path: str, shape: tuple, mesh: Mesh | None):
@@ -135,13 +136,15 @@ def abstract_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str
 def build_model(cfg: ModelConfig, *, dtype: str = "float32", param_dtype: str | None = None,
                 remat: bool = False, scan_layers: bool = True, mesh: Mesh | None = None,
                 load: Callable[[str, tuple, tuple], np.ndarray] | None = None, seed: int = 0,
-                remat_saves: str = "nothing", remat_saves_layers: int = -1) -> Decoder:
+                remat_saves: str = "nothing", remat_saves_layers: int = -1,
+                attention_block: int = DEFAULT_ATTENTION_BLOCK) -> Decoder:
     """Builds the decoder with every parameter placed by the partition rules.
 
     `load(path, shape, index)` returns the block `index` of parameter `path` (a tuple of slices);
     without it the parameters are randomly initialised (on the host, then sharded).
     """
-    make = _decoder_factory(cfg, dtype, param_dtype, remat, scan_layers, mesh, seed, remat_saves, remat_saves_layers)
+    make = _decoder_factory(cfg, dtype, param_dtype, remat, scan_layers, mesh, seed, remat_saves, remat_saves_layers,
+                            attention_block)
     graphdef, state = nnx.split(nnx.eval_shape(make))
     pure = nnx.to_pure_dict(state)
     if load is None:
@@ -202,7 +205,8 @@ def _safetensors_files(path: str) -> list[str]:
 
 def from_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
                     mesh: Mesh | None = None, remat: bool = False, scan_layers: bool = True,
-                    load_tokenizer: bool = True, remat_saves: str = "nothing", remat_saves_layers: int = -1) -> Policy:
+                    load_tokenizer: bool = True, remat_saves: str = "nothing", remat_saves_layers: int = -1,
+                    attention_block: int = DEFAULT_ATTENTION_BLOCK) -> Policy:
     """Loads a Llama/Qwen2/Qwen3 HF directory (config.json, safetensors, tokenizer) as a Policy.
 
     With `mesh`, each weight is created already sharded by `stare_jax.parallel.PARAM_RULES`.
@@ -246,7 +250,8 @@ def from_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
         return _read(reader.get(hf), index, _transposed(p))
 
     model = build_model(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers, mesh=mesh,
-                        load=load, remat_saves=remat_saves, remat_saves_layers=remat_saves_layers)
+                        load=load, remat_saves=remat_saves, remat_saves_layers=remat_saves_layers,
+                        attention_block=attention_block)
     tokenizer = load_tokenizer_dir(path) if load_tokenizer else None
     return Policy(model=model, config=cfg, tokenizer=tokenizer, mesh=mesh)
 
