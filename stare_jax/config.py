@@ -77,7 +77,7 @@ def default_config() -> ml_collections.ConfigDict:
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.remat_saves_layers = -1      # how many layers keep what remat_saves names: the last k (whose
                                          #   backward runs first); the others recompute everything. -1: all
-    c.model.attention_block = 1024       # self-attention over more positions than this runs in blocks of this
+    c.model.attention_block = 512        # self-attention over more positions than this runs in blocks of this
                                          #   many (flash-style: no [T, T] score matrix, memory linear in the
                                          #   length; models/blockwise_attention.py); 0: always the whole matrix
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,

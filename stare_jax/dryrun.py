@@ -512,7 +512,9 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         + f", dtype {config.model.dtype} / params {config.model.param_dtype}, remat {config.model.remat}"
         + (f" (saves {config.model.remat_saves}"
            + (f" in the last {config.model.remat_saves_layers} layers" if config.model.remat_saves_layers >= 0 else "")
-           + ")" if config.model.remat else ""))
+           + ")" if config.model.remat else "")
+        + (f", self-attention in blocks of {config.model.attention_block} beyond that length"
+           if config.model.attention_block else ", self-attention with the whole score matrix"))
     say(f"  step: {B} prompts x {G} responses = {B * G} rows, prompt {P} + response {R} tokens; "
         f"{B * G // shards} rows per batch shard, update in {K} micro-batch(es) of {B * G // K // shards} rows "
         f"per shard")
@@ -540,7 +542,8 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         "shape": {"prompts": B, "group_size": G, "rows": B * G, "prompt_len": P, "response_len": R,
                   "micro_batches": K, "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
                   "remat": bool(config.model.remat), "remat_saves": config.model.remat_saves,
-                  "remat_saves_layers": config.model.remat_saves_layers},
+                  "remat_saves_layers": config.model.remat_saves_layers,
+                  "attention_block": config.model.attention_block},
         "state_bytes_per_device": {**parts, "total": state_total},
     }
     phases: dict[str, dict] = {}

@@ -174,3 +174,22 @@ def test_attention_block_is_a_validated_resumable_config_key(tmp_path):
     from stare_jax.checkpoint import RESUMABLE_CHANGES
 
     assert "model.attention_block" in RESUMABLE_CHANGES
+
+
+def test_bench_attention_times_both_forms_and_reads_their_memory():
+    import json
+    import os
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_attention.py"), "--lengths", "256",
+                        "--blocks", "32,256", "--rounds", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"],
+                       cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert [row["form"] for row in rows] == ["whole", "block32"]  # a block not below the length is skipped
+    assert all(len(row["times_s"]) == 2 and row["median_s"] > 0 for row in rows)
+    assert rows[1]["max_grad_diff_vs_whole"] <= 1e-4 and rows[1]["temp_mib"] < rows[0]["temp_mib"]
+    assert summary["summary"] and summary["host_cpu"] and len(summary["rows"]) == 2
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_attention.py"), "--lengths", "0"],
+                         cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--lengths" in bad.stderr.strip().splitlines()[-1]

@@ -33,7 +33,7 @@ _MASK_VALUE = MASK_VALUE
 # Self-attention over more positions than this runs in blocks of this many
 # (`models.blockwise_attention`: no [T, T] score matrix, memory linear in the length); shorter
 # sequences form the whole matrix (`model.attention_block`; 0: always the whole matrix).
-DEFAULT_ATTENTION_BLOCK = 1024
+DEFAULT_ATTENTION_BLOCK = 512
 
 # What a rematerialised layer keeps from its forward pass for the backward (`model.remat_saves`):
 # "nothing" recomputes the whole layer (one extra forward, least memory); "mlp" keeps the MLP's
