@@ -125,7 +125,8 @@ def test_blockwise_gradients_through_the_rematerialised_decoder(tiny_checkpoints
 def test_blockwise_prompts_in_the_grouped_forward_and_on_a_data_parallel_mesh(tiny_checkpoints):
     """The update's grouped forward with its prompts' self-attention in blocks (prompts of 7
     positions, block 4) equals the whole-matrix model; so do the logits of a 2-device data-parallel
-    mesh, where the layer stack runs per device."""
+    mesh, where the layer stack runs per device, and of a data x fsdp x tensor = 2 x 2 x 2 mesh,
+    whose heads are split over "tensor"."""
     prompt_ids, prompt_mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 1), total=7, seed=2)
     G, R = 2, 32
     rs = np.random.RandomState(3)
@@ -143,10 +144,12 @@ def test_blockwise_prompts_in_the_grouped_forward_and_on_a_data_parallel_mesh(ti
     ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(9, 5, 2, 7), seed=3)
     sharded = from_pretrained(tiny_checkpoints["llama"], attention_block=4, mesh=mesh, load_tokenizer=False)
     assert sharded.model._per_device(ids.shape[0])  # the per-device layer stack is what runs
-    batch = parallel.shard_batch({"ids": ids, "mask": mask}, mesh)
-    out = np.asarray(sharded(batch["ids"], batch["mask"]))
     ref = np.asarray(from_pretrained(tiny_checkpoints["llama"], attention_block=0, load_tokenizer=False)(ids, mask))
-    assert np.abs(out - ref)[mask > 0].max() <= 1e-5
+    for mesh in (mesh, parallel.make_mesh(data=2, fsdp=2, tensor=2)):
+        sharded = from_pretrained(tiny_checkpoints["llama"], attention_block=4, mesh=mesh, load_tokenizer=False)
+        batch = parallel.shard_batch({"ids": ids, "mask": mask}, mesh)
+        out = np.asarray(sharded(batch["ids"], batch["mask"]))
+        assert np.abs(out - ref)[mask > 0].max() <= 1e-5
 
 
 def test_blockwise_prefill_samples_the_same_greedy_responses(tiny_checkpoints):
