@@ -28,6 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from stare_jax.models.products import einsum_f32 as _mm
+
 _F32 = jnp.float32
 
 
@@ -56,11 +58,6 @@ def _rows_major(oh):
     """[B,K,nb,G,Q,C,hd] -> [N,R,H,hd] (inverse of the query layout)."""
     B, K, nb, G, Q, C, hd = oh.shape
     return oh.transpose(0, 3, 2, 5, 1, 4, 6).reshape(B * G, nb * C, K * Q, hd)
-
-
-def _mm(spec: str, a, b, dtype):
-    """einsum of a and b cast to the compute dtype, accumulated in float32."""
-    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=_F32)
 
 
 def _forward(qh, kph, vph, krh, vrh, prompt_bias, response_bias):

@@ -30,14 +30,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from stare_jax.models.products import einsum_f32 as _mm
+
 _F32 = jnp.float32
 # The masked value of the full-matrix form (decoder._MASK_VALUE): large, finite, negative.
 MASK_VALUE = -1e30
-
-
-def _mm(spec: str, a, b, dtype):
-    """einsum of a and b cast to the compute dtype, accumulated in float32."""
-    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=_F32)
 
 
 def _full(x, shape, value=0.0):

@@ -30,6 +30,12 @@ def cpu_low_precision(dtype) -> bool:
     return CPU_FLOAT32_PRODUCTS and jnp.dtype(dtype) != jnp.float32 and jax.default_backend() == "cpu"
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """einsum(spec, a, b) with both operands cast to the compute `dtype` and the products accumulated
+    and returned in float32 (the attention's batched products)."""
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
 def product_dtype(out_dtype):
     """The dtype a product whose caller wants `out_dtype` returns before the cast: float32 where
     `cpu_low_precision(out_dtype)`, else `out_dtype` itself (on a GPU a separate cast is a kernel
