@@ -18,7 +18,8 @@ two devices and SmolLM2's 30 layers.
     python scripts/check_update_kernels.py [--options JSON] [--layers N] [--rows N] [--calls 2]
 
 `--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
-groups of 8), `--cpu-devices 1` one device with every core.
+groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N` sets
+`model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=0, help="only the first N rows of the batch (0: all; whole groups)")
     ap.add_argument("--tolerance", type=float, default=1e-3, help="largest difference counted as equal")
     ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
+    ap.add_argument("--attention-block", type=int, default=None,
+                    help="model.attention_block (default: the config's); below the prompts' length their "
+                         "self-attention runs in blocks")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
@@ -63,8 +67,8 @@ def main() -> None:
         ap.error(f"--options: not JSON: {e}")
     if not isinstance(options, dict):
         ap.error("--options must be a JSON object")
-    if args.calls < 1 or args.layers < 0 or args.rows < 0:
-        ap.error("--calls must be >= 1, --layers and --rows >= 0")
+    if args.calls < 1 or args.layers < 0 or args.rows < 0 or (args.attention_block or 0) < 0:
+        ap.error("--calls must be >= 1, --layers, --rows and --attention-block >= 0")
     if args.rows % common.REAL["group_size"]:
         ap.error(f"--rows must be a multiple of the group size {common.REAL['group_size']}")
     if not os.path.exists(args.batch_cache):
@@ -84,6 +88,8 @@ def check(args, options: dict) -> dict:
     workload.update(loss="stare", pack_tokens=0, cpu_devices=args.cpu_devices or cpu_devices_per_core(
         workload["num_prompts"]))
     config = ours_peer.bench_config(workload)
+    if args.attention_block is not None:
+        config.model.attention_block = args.attention_block
     from stare_jax import distributed, parallel
     distributed.initialize(config)
     import jax
@@ -130,6 +136,7 @@ def check(args, options: dict) -> dict:
         calls[-1]["equals_first_call"] = bool(np.array_equal(got, first))
     return {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
             "rows": int(positions.shape[0]), "layers": args.layers or model.config.num_layers,
+            "attention_block": model.attention_block,
             "devices": jax.device_count(), "host_cpu": common.host_cpu()}
 
 
