@@ -95,13 +95,20 @@ def pool():
         yield p
 
 
-def test_pool_builtin_rewards(pool):
-    scores, stats = pool.score(["(5+7)*2", "5+7*2", "7*3+5-2", "(5+7)*2*2"], ["3 5 7 2=24"] * 4, reward="countdown")
-    np.testing.assert_array_equal(scores, [1, 0, 1, 0])
-    assert scores.dtype == np.float32 and stats["reward_errors"] == stats["reward_timeouts"] == 0
-    scores, _ = pool.score(["\\boxed{\\frac{2}{4}}", "\\boxed{3}", "none"], ["0.5", "0.5", "0.5"], reward="math")
-    np.testing.assert_array_equal(scores, [1, 0, 0])
-    assert pool.score([], []).scores.shape == (0,)
+def test_pool_builtin_rewards():
+    """The built-in rewards score right through the pool. Its own pool with a generous timeout: a
+    worker's first math-verify call (~0.1 s idle) once ran past the shared fixture's 1 s on a CI host
+    whose two cores were busy with training tests, and every call scored 0 as a timeout."""
+    with RewardPool(f"{FIX}:mixed_reward", num_workers=3, timeout_s=60.0) as pool:
+        scores, stats = pool.score(["(5+7)*2", "5+7*2", "7*3+5-2", "(5+7)*2*2"], ["3 5 7 2=24"] * 4,
+                                   reward="countdown")
+        np.testing.assert_array_equal(scores, [1, 0, 1, 0])
+        assert scores.dtype == np.float32 and stats["reward_errors"] == stats["reward_timeouts"] == 0
+        scores, stats = pool.score(["\\boxed{\\frac{2}{4}}", "\\boxed{3}", "none"], ["0.5", "0.5", "0.5"],
+                                   reward="math")
+        np.testing.assert_array_equal(scores, [1, 0, 0])
+        assert stats["reward_timeouts"] == 0
+        assert pool.score([], []).scores.shape == (0,)
 
 
 def test_pool_errors_are_zero_and_counted(pool):
