@@ -58,12 +58,10 @@ def main() -> None:
 
     import common
     from stare_jax.models.blockwise_attention import causal_attention
-    from stare_jax.models.decoder import _MASK_VALUE, _attend
+    from stare_jax.models.decoder import _attend, causal_bias
 
     def whole(q, k, v, valid):
-        T = q.shape[1]
-        allowed = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None] & (valid[:, None, :] > 0)
-        return _attend(q, k, v, jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None], q.dtype)
+        return _attend(q, k, v, causal_bias(valid, q.shape[1]), q.dtype)
 
     dtype = jnp.dtype(args.dtype)
     rows = []
@@ -79,10 +77,9 @@ def main() -> None:
         for name, attend in forms.items():
             loss = lambda q, k, v, attend=attend: (attend(q, k, v, valid) * weights).sum()  # noqa: E731
             start = time.perf_counter()
-            programs[name] = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
-            compile_s = time.perf_counter() - start
-            jax.block_until_ready(programs[name](q, k, v))  # warm-up
-            programs[name] = (programs[name], compile_s)
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+            programs[name] = (compiled, time.perf_counter() - start)
+            jax.block_until_ready(compiled(q, k, v))  # warm-up
         reference = programs["whole"][0](q, k, v)
         for r in range(args.rounds):
             order = list(forms) if r % 2 == 0 else list(reversed(forms))

@@ -13,16 +13,14 @@ import pytest
 from stare_jax import parallel
 from stare_jax.models import from_pretrained
 from stare_jax.models.blockwise_attention import causal_attention
-from stare_jax.models.decoder import _MASK_VALUE, _attend, positions_from_mask
+from stare_jax.models.decoder import _attend, causal_bias, positions_from_mask
 from tests import hf_fixtures
 from tests.e2e_helpers import QUICKSTART, ROOT, subprocess_env
 
 
 def _dense(q, k, v, key_valid):
     """`_attend` with the causal and key-validity bias of `Decoder.hidden_states` (no cache)."""
-    T = q.shape[1]
-    allowed = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None] & (key_valid[:, None, :] > 0)
-    return _attend(q, k, v, jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None], q.dtype)
+    return _attend(q, k, v, causal_bias(key_valid, q.shape[1]), q.dtype)
 
 
 def _inputs(B=3, T=37, H=4, K=2, hd=8, lengths=(37, 20, 5), seed=0):

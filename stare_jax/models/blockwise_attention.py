@@ -43,21 +43,30 @@ def _full(x, shape, value=0.0):
     return jnp.full_like(x, value, dtype=_F32, shape=shape)
 
 
+def _pad_positions(x, length: int):
+    """x [B, T, ...] padded with zeros along T to `length`."""
+    pad = length - x.shape[1]
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+
+
+def _query_blocks(x, K: int, C: int):
+    """Query-side rows [B, T, H, hd] (q, or the output's cotangent) -> head-major blocks
+    [nb, B, K, Q*C, hd] (rows: Q query heads x C positions), T padded to nb*C."""
+    B, T, H, hd = x.shape
+    nb, Q = -(-T // C), H // K
+    x = _pad_positions(x, nb * C)
+    return x.reshape(B, nb, C, K, Q, hd).transpose(1, 0, 3, 4, 2, 5).reshape(nb, B, K, Q * C, hd)
+
+
 def _blocks(q, k, v, key_valid, block: int):
-    """Head-major blocks: q [B,T,H,hd] -> [nb, B, K, Q*C, hd] (rows: Q query heads x C positions),
-    k, v [B,T,K,hd] -> [nb, B, K, C, hd], key_valid [B, T] -> [nb, B, C]; T padded to nb*C with
-    masked keys."""
-    B, T, H, hd = q.shape
-    K = k.shape[2]
-    Q, C = H // K, block
+    """Head-major blocks: q [B,T,H,hd] -> [nb, B, K, Q*C, hd] (`_query_blocks`), k, v [B,T,K,hd] ->
+    [nb, B, K, C, hd], key_valid [B, T] -> [nb, B, C]; T padded to nb*C with masked keys."""
+    B, T, _, hd = q.shape
+    K, C = k.shape[2], block
     nb = -(-T // C)
-    pad = nb * C - T
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        key_valid = jnp.pad(key_valid, ((0, 0), (0, pad)))
-    qh = q.reshape(B, nb, C, K, Q, hd).transpose(1, 0, 3, 4, 2, 5).reshape(nb, B, K, Q * C, hd)
-    kv = lambda x: x.reshape(B, nb, C, K, hd).transpose(1, 0, 3, 2, 4)  # noqa: E731
-    return qh, kv(k), kv(v), key_valid.reshape(B, nb, C).transpose(1, 0, 2)
+    kv = lambda x: _pad_positions(x, nb * C).reshape(B, nb, C, K, hd).transpose(1, 0, 3, 2, 4)  # noqa: E731
+    valid = _pad_positions(key_valid, nb * C).reshape(B, nb, C).transpose(1, 0, 2)
+    return _query_blocks(q, K, C), kv(k), kv(v), valid
 
 
 def _rows(xh, B: int, T: int, Q: int):
@@ -124,10 +133,7 @@ def _vjp_backward(block, res, d_out):
     nb, B, K, QC, hd = qh.shape
     Q, T = d_out.shape[3], d_out.shape[1]
     C, dtype, scale = QC // Q, qh.dtype, hd ** -0.5
-    d = d_out.astype(_F32)
-    if nb * C > T:
-        d = jnp.pad(d, ((0, 0), (0, nb * C - T), (0, 0), (0, 0), (0, 0)))
-    doh = d.reshape(B, nb, C, K, Q, hd).transpose(1, 0, 3, 4, 2, 5).reshape(nb, B, K, QC, hd)
+    doh = _query_blocks(d_out.astype(_F32).reshape(B, T, K * Q, hd), K, C)
     rowdot = (doh * o).sum(-1)                                                       # D [nb, B, K, QC]
 
     def key_block(dq, xs):

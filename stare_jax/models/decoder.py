@@ -247,12 +247,8 @@ class Decoder(nnx.Module):
         # Blockwise (no [T, S] matrix) where the keys are the T inputs themselves: no cache, or a
         # prefill that fills a cache of exactly T slots from slot 0.
         block = self.self_attention_block(T) if key_len == T and isinstance(cache_index, int) and cache_index == 0 else 0
-        if block:
-            bias = (kv_mask > 0).astype(jnp.float32)  # [B, T]: the keys' validity; causal inside
-        else:
-            q_index = cache_index + jnp.arange(T)
-            allowed = (jnp.arange(key_len)[None, :] <= q_index[:, None])[None] & (kv_mask[:, None, :] > 0)
-            bias = jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]  # [B,1,1,T,S]
+        # [B, T] the keys' validity (causal inside the blocks), or `_attend`'s [B, 1, 1, T, S] mask
+        bias = (kv_mask > 0).astype(jnp.float32) if block else causal_bias(kv_mask, T, cache_index)
 
         x = self.constrain_batch(x)
         if cache is None and self._per_device(x.shape[0]):
@@ -328,7 +324,7 @@ class Decoder(nnx.Module):
         causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
         as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
         prompt_self = ((prompt_mask > 0).astype(jnp.float32) if self.self_attention_block(prompt_ids.shape[1]) else
-                       as_bias(causal(prompt_ids.shape[1])[None] & (prompt_mask[:, None, :] > 0))[:, None, None])
+                       causal_bias(prompt_mask, prompt_ids.shape[1]))
         biases = (prompt_self,                                                    # [B, P] or [B,1,1,P,P]
                   as_bias(prompt_mask > 0),                                       # [B, P]
                   as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))     # [N, R, R]
@@ -608,6 +604,15 @@ def _decoder_layer(cfg: ModelConfig, dtype, p, x, cos, sin, bias, cache, cache_i
     attn = causal_attention(q, k, v, bias, block) if block else _attend(q, k, v, bias, dtype)
     x = attention_residual(p, x, attn.reshape(B, T, H * hd), dtype)
     return mlp_residual(cfg, p, x, dtype), cache
+
+
+def causal_bias(kv_mask: jax.Array, query_len: int, cache_index=0) -> jax.Array:
+    """`_attend`'s additive mask [B, 1, 1, T, S] for T queries at positions cache_index .. cache_index
+    + T - 1 over the S keys of `kv_mask` [B, S]: 0 where key s <= the query's position and
+    kv_mask[b, s] > 0, `_MASK_VALUE` elsewhere."""
+    q_index = cache_index + jnp.arange(query_len)
+    allowed = (jnp.arange(kv_mask.shape[1])[None, :] <= q_index[:, None])[None] & (kv_mask[:, None, :] > 0)
+    return jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype) -> jax.Array:
