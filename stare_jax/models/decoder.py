@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import parallel
 from stare_jax.models.attention import grouped_response_attention
-from stare_jax.models.blockwise_attention import MASK_VALUE, causal_attention
+from stare_jax.models.blockwise_attention import MASK_VALUE, causal_attention, grouped_causal_attention
 from stare_jax.models.config import ModelConfig, rope_inverse_frequencies
 from stare_jax.models.packing import Packing, gather_packed, packed_inverse_index, packed_token_index, scatter_packed
 from stare_jax.models.products import dot_nt, dot_tn, product_dtype
@@ -323,11 +323,15 @@ class Decoder(nnx.Module):
         response_pos = jnp.where(response_mask > 0, response_pos, 0)
         causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
         as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
-        prompt_self = ((prompt_mask > 0).astype(jnp.float32) if self.self_attention_block(prompt_ids.shape[1]) else
+        valid = lambda mask: (mask > 0).astype(jnp.float32)  # noqa: E731
+        prompt_self = (valid(prompt_mask) if self.self_attention_block(prompt_ids.shape[1]) else
                        causal_bias(prompt_mask, prompt_ids.shape[1]))
-        biases = (prompt_self,                                                    # [B, P] or [B,1,1,P,P]
-                  as_bias(prompt_mask > 0),                                       # [B, P]
-                  as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))     # [N, R, R]
+        if self.self_attention_block(R):  # grouped_causal_attention: the keys' validity, no [N, R, R] mask
+            responses = (valid(prompt_mask), valid(response_mask))                    # [B, P], [N, R]
+        else:
+            responses = (as_bias(prompt_mask > 0),                                    # [B, P]
+                         as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))  # [N, R, R]
+        biases = (prompt_self, *responses)                                            # prompt_self: [B, P] or [B,1,1,P,P]
         embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
         return embed, rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table), biases
@@ -403,6 +407,7 @@ class Decoder(nnx.Module):
         cfg, dtype = self.config, self.dtype
         index, inverse, N, R = moves if moves is not None else (None, None, None, None)
         prompt_block = self.self_attention_block(xp.shape[1])
+        response_block = self.self_attention_block(xr.shape[1] if R is None else R)
 
         def grouped_layer(rope_p, rope_r, biases, index, inverse, rows, constrain):
             grid = packed = None
@@ -412,7 +417,7 @@ class Decoder(nnx.Module):
 
             def layer(carry, p, _):
                 xp, xr = _grouped_decoder_layer(cfg, dtype, p, *carry, rope_p, rope_r, biases, grid=grid, packed=packed,
-                                                prompt_block=prompt_block)
+                                                prompt_block=prompt_block, response_block=response_block)
                 return (constrain(xp), constrain(xr)), None
             return layer
 
@@ -627,12 +632,14 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype) ->
 
 
 def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, biases, *, grid=None, packed=None,
-                           prompt_block: int = 0):
+                           prompt_block: int = 0, response_block: int = 0):
     """One pre-norm block over prompts xp [B, P, D] and the responses xr [N, R, D] of their groups
     (see `Decoder.grouped_hidden_states`); `biases` = additive masks (prompt-prompt [B,1,1,P,P],
     or with `prompt_block` > 0 the prompt keys' validity [B, P] for blockwise self-attention;
     response-prompt [B, P], response-response [N, R, R]). The responses' attention is
-    `grouped_response_attention` (blockwise causal, hand-written backward).
+    `grouped_response_attention` (blockwise causal, hand-written backward) or, with
+    `response_block` > 0, `blockwise_attention.grouped_causal_attention` in blocks of that many
+    positions, and then the response biases are the keys' validity (prompt [B, P], responses [N, R]).
 
     Packed responses (`Decoder.packed_grouped_hidden_states`): xr [S, C, D] and rope_r hold the
     kept tokens, `grid` scatters a packed [S, C, ...] array onto [N, R, ...] and `packed` gathers
@@ -645,7 +652,10 @@ def _grouped_decoder_layer(cfg: ModelConfig, dtype, p, xp, xr, rope_p, rope_r, b
     qp, kp, vp = attention_inputs(cfg, dtype, p, xp, *rope_p)
     qr, kr, vr = attention_inputs(cfg, dtype, p, xr, *rope_r)
     attn_p = causal_attention(qp, kp, vp, bias_pp, prompt_block) if prompt_block else _attend(qp, kp, vp, bias_pp, dtype)
-    attn_r = grouped_response_attention(grid(qr), kp, vp, grid(kr), grid(vr), bias_rp, bias_rr)
+    if response_block:
+        attn_r = grouped_causal_attention(grid(qr), kp, vp, bias_rp, grid(kr), grid(vr), bias_rr, response_block)
+    else:
+        attn_r = grouped_response_attention(grid(qr), kp, vp, grid(kr), grid(vr), bias_rp, bias_rr)
     N, R = attn_r.shape[:2]
 
     xp = attention_residual(p, xp, attn_p.reshape(B, P_len, H * hd), dtype)
