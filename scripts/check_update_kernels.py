@@ -7,7 +7,10 @@ data-parallel CPU mesh, each option set compiled once: once with XLA:CPU's YNNPA
 `--calls` times with `--options`. It prints one JSON line: for each call, the rows whose final
 hidden states differ from the reference by more than `--tolerance` at a response position, and the
 largest difference; and whether the calls agree with each other. The default `--options` are the
-update's shipped ones (`model.cpu_gemm = "auto"`: Eigen's products, YNNPACK's reductions). `--options
+update's shipped ones for the batch (`model.cpu_gemm = "auto"`: Eigen's products, YNNPACK's
+reductions; XLA's defaults where the sequences are longer than `model.attention_block`, whose
+blocks met the fault: `--attention-block 32 --options '{"xla_cpu_experimental_ynn_fusion_type":
+"LIBRARY_FUSION_TYPE_REDUCE", "xla_disable_hlo_passes": "tree_reduction_rewriter"}'` shows it). `--options
 '{"xla_cpu_experimental_ynn_fusion_type": "", "xla_disable_hlo_passes": "tree_reduction_rewriter"}'`
 (`EIGEN_MATMULS`: Eigen's products and XLA's own reductions) reproduces the fault of
 docs/performance.md, "Eigen's matmuls in the update gave wrong results on two CPU devices": wrong
@@ -19,7 +22,8 @@ two devices and SmolLM2's 30 layers.
 
 `--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
 groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N` sets
-`model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81).
+`model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81, its responses of
+up to 256 positions in `grouped_causal_attention`'s blocks when N is below their length).
 """
 
 from __future__ import annotations
@@ -45,27 +49,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--options", default="",
                     help="XLA compiler options under test, a JSON object (default: the update's shipped ones, "
-                         "`model.cpu_gemm = \"auto\"`)")
+                         "`model.cpu_gemm = \"auto\"`, for this batch and attention block)")
     ap.add_argument("--calls", type=int, default=2, help="calls of the program under test")
     ap.add_argument("--layers", type=int, default=0, help="run only the first N decoder layers (0: all)")
     ap.add_argument("--rows", type=int, default=0, help="only the first N rows of the batch (0: all; whole groups)")
     ap.add_argument("--tolerance", type=float, default=1e-3, help="largest difference counted as equal")
     ap.add_argument("--cpu-devices", type=int, default=0, help="JAX CPU devices (0: one per core)")
     ap.add_argument("--attention-block", type=int, default=None,
-                    help="model.attention_block (default: the config's); below the prompts' length their "
-                         "self-attention runs in blocks")
+                    help="model.attention_block (default: the config's); below the prompts' (responses') "
+                         "length their attention runs in blocks")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
     try:
-        if args.options:
-            options = json.loads(args.options)
-        else:  # the update's shipped options, `model.cpu_gemm = "auto"`
-            from stare_jax.rl.update import cpu_update_compiler_options
-            options = cpu_update_compiler_options()
+        options = json.loads(args.options) if args.options else None  # None: the shipped ones, in `check`
     except json.JSONDecodeError as e:
         ap.error(f"--options: not JSON: {e}")
-    if not isinstance(options, dict):
+    if options is not None and not isinstance(options, dict):
         ap.error("--options must be a JSON object")
     if args.calls < 1 or args.layers < 0 or args.rows < 0 or (args.attention_block or 0) < 0:
         ap.error("--calls must be >= 1, --layers, --rows and --attention-block >= 0")
@@ -77,8 +77,10 @@ def main() -> None:
     print(json.dumps(check(args, options)))
 
 
-def check(args, options: dict) -> dict:
-    """Runs the reference and the option set under test; returns the comparison (see the module doc)."""
+def check(args, options: dict | None) -> dict:
+    """Runs the reference and the option set under test (None: the update's shipped options for this
+    batch and `model.attention_block`, `UpdateStep.options_for`); returns the comparison (see the
+    module doc)."""
     import bench_step
     import ours_peer
 
@@ -97,7 +99,7 @@ def check(args, options: dict) -> dict:
     from flax import nnx
 
     from stare_jax.models.decoder import LayerStack
-    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS, _group_prompts
+    from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS, _group_prompts, cpu_update_compiler_options
 
     with open(args.batch_cache, "rb") as f:
         batch = pickle.load(f)
@@ -109,6 +111,8 @@ def check(args, options: dict) -> dict:
         LayerStack.arrays = lambda self: {k: v[:args.layers] for k, v in arrays(self).items()}
     mesh = parallel.mesh_from_config(config.mesh)
     model = ours_peer.load_policy(workload, config, mesh).model
+    if options is None:  # as `UpdateStep.options_for`: no Eigen products where attention may run in blocks
+        options = cpu_update_compiler_options(blockwise=0 < model.attention_block < np.shape(batch["input_ids"])[1])
     sharded = parallel.shard_batch(batch, mesh)
     graphdef, state = nnx.split(model)
     R = np.shape(batch["response_mask"])[1]

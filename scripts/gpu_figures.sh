@@ -39,7 +39,7 @@ py=${PYTHON:-python3}
 catalogue=" smoke peaks large_float32 large_float32_autotune0 large_bfloat16 default_float32 default_bfloat16 real_float32 \
 real_float32_autotune0 real_bfloat16 real_bfloat16_geometric \
 update_profile_bfloat16 update_profile_float32 update_settings recipe_bfloat16 recipe_float32 skew_float32 \
-skew_bfloat16 attention_float32 attention_bfloat16 quickstart "
+skew_bfloat16 attention_float32 attention_bfloat16 attention_grouped_bfloat16 quickstart "
 if [[ $phase != synthetic && $phase != real && $phase != study && $phase != jobs ]]; then
   echo "gpu_figures: unknown phase '$phase' (synthetic|real|study|jobs)" >&2
   exit 2
@@ -140,6 +140,10 @@ ensure_converted(smollm2_gguf_path(), 'runs/bench_models/smollm2')" >> "$out/log
     # (`model.attention_block`): on the Intel Xeon the blocks were faster at every length, 6.6x at 4,096
     attention_float32 | attention_bfloat16) job "$1" 120 "$py" scripts/bench_attention.py \
       --lengths 1024,4096,8192 --blocks 512,1024 --rounds 3 --dtype "${1#attention_}" ;;
+    # the grouped update's response attention: the kept form (up to 8 causal blocks whose
+    # probabilities the backward reuses) against flash blocks, 8 responses to a 128-token prompt
+    attention_grouped_bfloat16) job "$1" 120 "$py" scripts/bench_attention.py --group 8 --prompt-length 128 \
+      --lengths 512,1024,2048 --blocks 256,512 --rounds 3 --dtype bfloat16 ;;
     quickstart) job quickstart 240 "$py" scripts/accelerator_figures.py quickstart --root /tmp/gpu_runs \
       --out /tmp/gpu_runs/quickstart.json ;;
   esac

@@ -77,9 +77,10 @@ def default_config() -> ml_collections.ConfigDict:
                                          #   projections (its matmul outputs; recompute norms, SwiGLU, attention)
     c.model.remat_saves_layers = -1      # how many layers keep what remat_saves names: the last k (whose
                                          #   backward runs first); the others recompute everything. -1: all
-    c.model.attention_block = 512        # self-attention over more positions than this runs in blocks of this
-                                         #   many (flash-style: no [T, T] score matrix, memory linear in the
-                                         #   length; models/blockwise_attention.py); 0: always the whole matrix
+    c.model.attention_block = 512        # self-attention over more positions than this (and the grouped update's
+                                         #   responses when longer) runs in blocks of this many (flash-style: no
+                                         #   [T, T] score matrix, memory linear in the length;
+                                         #   models/blockwise_attention.py); 0: always the whole matrix
     c.model.scan_layers = True           # run the layers under lax.scan (False: unrolled; faster small models,
                                          #   compile time grows with depth)
     c.model.vocab_chunk = 8192           # vocabulary columns per step of the log-softmax / entropy pass (1024:

@@ -57,12 +57,20 @@ right process's: the reported log-probs were wrong, not the step). So "auto" lea
 XLA's defaults as well (docs/performance.md, "The MLP's outputs kept in the last layers on
 Eigen's products, oneDNN's fusions, and the bfloat16 update's account").
 
+A sixth program met it (Intel Xeon with AMX, 2026-12-07): the real model's update forward with the
+grouped responses' attention in flash blocks (`blockwise_attention.grouped_causal_attention`,
+`model.attention_block` below the response length) computed wrong hidden states for the first two
+rows of each device, off by up to 41 and different from call to call (`python
+scripts/check_update_kernels.py --attention-block 32 --calls 2`; docs/performance.md, "The grouped
+update's responses in blocks"). So "auto" leaves every update program whose sequences are longer
+than `model.attention_block` (where any attention may run in blocks: `blockwise`) to XLA's defaults.
+
 `model.cpu_gemm`:
 
     auto     (default) the update's products on Eigen, its reductions on YNNPACK
              (`EIGEN_PRODUCTS`), where the update computes in float32, its rematerialisation is one
-             Eigen's products were checked on (`EIGEN_CHECKED_REMAT`) and it runs no reference
-             model, else XLA's defaults; the rollout on XLA's
+             Eigen's products were checked on (`EIGEN_CHECKED_REMAT`), it runs no reference
+             model and no attention in blocks, else XLA's defaults; the rollout on XLA's
              defaults (its decode products are thin)
     ynnpack  XLA:CPU's defaults in both phases (YNNPACK's products and reductions), as every run
              before this setting
@@ -122,16 +130,18 @@ def remat_policy(model) -> str:
 
 
 def compiler_options(phase: str, choice: str, *, platform: str, remat: str = "none",
-                     reference: bool = False, dtype: Any = "float32") -> dict[str, Any]:
+                     reference: bool = False, dtype: Any = "float32", blockwise: bool = False) -> dict[str, Any]:
     """The XLA compiler options for `phase` ("update" or "rollout") under `model.cpu_gemm = choice`
     on devices of `platform`, for an update computing in `dtype` (`model.dtype`) whose layers
-    rematerialise under `remat` (`remat_policy`) and which runs a frozen reference model's forward
-    when `reference` (`loss.kl_type`; unchecked, see the module docstring); {} for XLA's defaults."""
+    rematerialise under `remat` (`remat_policy`), which runs a frozen reference model's forward
+    when `reference` (`loss.kl_type`) and attention in blocks when `blockwise` (sequences longer
+    than `model.attention_block`; both unchecked or faulty, see the module docstring); {} for XLA's
+    defaults."""
     if choice not in CHOICES:
         raise ValueError(f"model.cpu_gemm must be one of {', '.join(CHOICES)}, got {choice!r}")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     if (platform != "cpu" or choice == "ynnpack" or phase == "rollout" or remat not in EIGEN_CHECKED_REMAT
-            or reference or np.dtype(dtype) != np.float32):
+            or reference or blockwise or np.dtype(dtype) != np.float32):
         return {}
     return dict(EIGEN_PRODUCTS)

@@ -111,6 +111,30 @@ def test_auto_leaves_a_bfloat16_update_to_xlas_defaults():
         assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **options}, dtype
 
 
+def test_auto_leaves_an_update_with_attention_in_blocks_to_xlas_defaults():
+    """The real model's update forward with the grouped responses in flash blocks computed wrong rows
+    on Eigen's products (Intel Xeon, `check_update_kernels.py --attention-block 32`): a batch whose
+    sequences are longer than `model.attention_block` compiles without Eigen's options (its
+    program's products are YNNPACK fusions), a shorter one of the same step with them."""
+    assert compiler_options("update", "auto", platform="cpu", blockwise=True) == {}
+    assert update_lib.cpu_update_compiler_options("auto", "nothing", blockwise=True) == \
+        update_lib.CPU_UPDATE_COMPILER_OPTIONS
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    config = make_config()
+    batch = make_batch()  # prompt 4 + response 6 = 10 columns
+    for block, blockwise in ((4, True), (10, False), (0, False)):
+        ts = create_train_state(build_model(CFG, mesh=mesh, seed=0, attention_block=block), config, mesh=mesh)
+        step = make_update_step(config, mesh, ts)
+        assert step.compiler_options == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS, **EIGEN_PRODUCTS}
+        assert step.blockwise(batch) is blockwise
+        assert step.options_for(batch) == {**update_lib.CPU_UPDATE_COMPILER_OPTIONS,
+                                           **({} if blockwise else EIGEN_PRODUCTS)}, block
+        text = step.lower(nnx.state(ts), parallel.shard_batch(batch, mesh), jax.random.key(0),
+                          step.packing(batch)).compile().as_text()
+        ynn_products = [line for line in text.splitlines() if "__ynn_fusion" in line and "dot_general" in line]
+        assert bool(ynn_products) is blockwise, block
+
+
 def _projection_dot_operand_dtypes(monkeypatch, cpu_forms: bool) -> set[tuple[str, str]]:
     """The operand dtypes of every product of the projections (forward, dh and dW; named by their
     JAX operation) in the compiled update of a bfloat16 model on a CPU device, with

@@ -21,6 +21,11 @@ to the keys/values of their group's prompt (computed once per prompt) and causal
 Autodiff of the plain einsum formulation gives the same values (tests/test_models.py), but
 XLA:CPU wrapped each of its batched products in transposes and ran the full square: attention
 took a quarter of the 128-token update step for a few percent of its FLOPs.
+
+This form keeps its probabilities (~R^2/2 floats a head a response) and takes an [N, R, R] mask:
+the decoder uses it for responses of at most `model.attention_block` positions and
+`blockwise_attention.grouped_causal_attention` (flash blocks, probabilities recomputed in the
+backward, no [R, R] buffer) for longer ones.
 """
 
 from __future__ import annotations

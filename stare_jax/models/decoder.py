@@ -30,9 +30,10 @@ from stare_jax.models.products import dot_nt, dot_tn, product_dtype
 # A large finite negative instead of -inf keeps fully masked (padding) rows finite.
 _MASK_VALUE = MASK_VALUE
 
-# Self-attention over more positions than this runs in blocks of this many
-# (`models.blockwise_attention`: no [T, T] score matrix, memory linear in the length); shorter
-# sequences form the whole matrix (`model.attention_block`; 0: always the whole matrix).
+# Self-attention over more positions than this, and the grouped update's attention of longer
+# responses, runs in blocks of this many (`models.blockwise_attention`: no [T, T] score matrix,
+# memory linear in the length); shorter sequences form the whole matrix (`models.attention` for
+# grouped responses) (`model.attention_block`; 0: always the whole matrix).
 DEFAULT_ATTENTION_BLOCK = 512
 
 # What a rematerialised layer keeps from its forward pass for the backward (`model.remat_saves`):

@@ -104,14 +104,14 @@ CPU_UPDATE_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewrite
 
 
 def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "none", reference: bool = False,
-                                dtype=np.float32) -> dict:
+                                dtype=np.float32, blockwise: bool = False) -> dict:
     """The XLA options the update step compiles with on a CPU mesh: `CPU_UPDATE_COMPILER_OPTIONS`
     and those of `model.cpu_gemm = cpu_gemm_choice` for a model computing in `dtype` and
     rematerialising under `remat`, with a frozen reference model's forward in the step when
-    `reference` (`stare_jax.cpu_gemm`)."""
+    `reference` and attention in blocks when `blockwise` (`stare_jax.cpu_gemm`)."""
     return {**CPU_UPDATE_COMPILER_OPTIONS,
             **cpu_gemm.compiler_options("update", cpu_gemm_choice, platform="cpu", remat=remat, reference=reference,
-                                        dtype=dtype)}
+                                        dtype=dtype, blockwise=blockwise)}
 
 
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
@@ -527,20 +527,33 @@ class UpdateStep:
         replicated = parallel.replicated(mesh)
         fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
-        options = (cpu_update_compiler_options(settings.cpu_gemm, cpu_gemm.remat_policy(train_state.model),
-                                               reference=settings.loss.uses_reference,
-                                               dtype=getattr(train_state.model, "dtype", np.float32))
-                   if cpu_options and platform == "cpu" else {})
-        options.update(gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform,
-                                                 dtype=getattr(train_state.model, "dtype", np.float32)))
-        self.compiler_options = options  # the XLA options the step compiles with (`model.cpu_gemm` / `gpu_gemm`)
-        jit = lambda keys: jax.jit(  # noqa: E731
-            fn, in_shardings=(self.state_shardings, {k: self.batch_shardings[k] for k in keys}, replicated),
-            out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
-            donate_argnums=(0,) if donate else (), compiler_options=options or None)
-        self.jitted = jit(self.batch_ndims)
-        # a batch without the sampler's statistics still runs, with the pre-pass (module docstring)
-        self._without_stats = jit(BATCH_NDIMS) if settings.takes_sampler_stats else self.jitted
+        dtype = getattr(train_state.model, "dtype", np.float32)
+
+        def step_options(blockwise: bool) -> dict:
+            options = (cpu_update_compiler_options(settings.cpu_gemm, cpu_gemm.remat_policy(train_state.model),
+                                                   reference=settings.loss.uses_reference, dtype=dtype,
+                                                   blockwise=blockwise)
+                       if cpu_options and platform == "cpu" else {})
+            return {**options, **gpu_gemm.compiler_options("update", settings.gpu_gemm, platform=platform, dtype=dtype)}
+
+        # the XLA options the step compiles with (`model.cpu_gemm` / `gpu_gemm`) for batches whose
+        # attention runs whole; `options_for` gives a batch's
+        self.compiler_options = step_options(False)
+        self._blockwise_options = step_options(True)
+        self.attention_block = int(getattr(train_state.model, "attention_block", 0))
+
+        def jits(options):
+            jit = lambda keys: jax.jit(  # noqa: E731
+                fn, in_shardings=(self.state_shardings, {k: self.batch_shardings[k] for k in keys}, replicated),
+                out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
+                donate_argnums=(0,) if donate else (), compiler_options=options or None)
+            with_stats = jit(self.batch_ndims)
+            # a batch without the sampler's statistics still runs, with the pre-pass (module docstring)
+            return with_stats, (jit(BATCH_NDIMS) if settings.takes_sampler_stats else with_stats)
+
+        self.jitted, self._without_stats = jits(self.compiler_options)
+        self._blockwise_jits = (jits(self._blockwise_options) if self._blockwise_options != self.compiler_options
+                                else (self.jitted, self._without_stats))
 
     def _batch(self, batch: dict) -> dict:
         missing = [k for k in BATCH_NDIMS if k not in batch]
@@ -549,9 +562,21 @@ class UpdateStep:
         keys = self.batch_ndims if all(k in batch for k in self.batch_ndims) else BATCH_NDIMS
         return {k: batch[k] for k in keys}
 
+    def blockwise(self, batch: dict) -> bool:
+        """Whether `batch`'s sequences (prompt + response columns) are longer than the model's
+        `attention_block`, so that some attention of its update may run in blocks."""
+        return 0 < self.attention_block < np.shape(batch["input_ids"])[1]
+
+    def options_for(self, batch: dict) -> dict:
+        """The XLA options `batch`'s update compiles with: `compiler_options`, or with attention in
+        blocks those of `cpu_gemm.compiler_options(blockwise=True)` (no Eigen products)."""
+        return self._blockwise_options if self.blockwise(batch) else self.compiler_options
+
     def _jitted_for(self, batch: dict):
-        """The jitted step for a batch from `_batch`: with the sampler's statistics or without."""
-        return self.jitted if len(batch) == len(self.batch_ndims) else self._without_stats
+        """The jitted step for a batch from `_batch`: with the sampler's statistics or without, on
+        the options of `options_for`."""
+        with_stats, without = self._blockwise_jits if self.blockwise(batch) else (self.jitted, self._without_stats)
+        return with_stats if len(batch) == len(self.batch_ndims) else without
 
     def packing(self, batch: dict) -> Packing | None:
         """The packed layout of a batch (None without packing): capacity from
