@@ -1,4 +1,5 @@
-"""Causal self-attention in blocks of positions: memory linear in the sequence length.
+"""Causal attention in blocks of positions (self-attention, and grouped responses after their
+shared prompt): memory linear in the sequence length.
 
 The plain attention of `Decoder.hidden_states` forms the whole score matrix, heads x T x T float32
 per row (13.6 GiB a layer for a 1.5B Qwen2 at 17k positions), and its autodiff keeps it for the
@@ -30,7 +31,11 @@ block: it seeds the online softmax (m, l, acc) of each query block and gets its 
 backward, so that `models.attention.grouped_response_attention`'s kept probabilities (~R^2/2 per
 head and response) and its [N, R, R] mask are never formed. Query rows are laid out
 [nb, B, K, G, Q*C, hd], so the prompt part is one product per (prompt, KV head) over the group's G
-responses and the response part one per (prompt, KV head, response).
+responses and the response part one per (prompt, KV head, response); the largest buffers are a
+block's response scores [B, K, G, Q*C, C] and its prompt scores [B, K, G*Q*C, P].
+
+On a CPU, updates whose sequences are longer than `model.attention_block` compile on XLA's default
+kernels: with Eigen's products these programs computed wrong rows (`stare_jax.cpu_gemm`).
 """
 
 from __future__ import annotations
