@@ -485,7 +485,9 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
 
     from stare_jax import parallel
     from stare_jax.models.presets import num_parameters
+    from stare_jax.rl.settings import RLSettings
     from stare_jax.rl.train_state import train_state_shardings
+    from stare_jax.rl.update import rows_per_shared_prompt
     from stare_jax.rollout.sampler import describe
 
     config, placeholders = load_config(args.config, overrides, args.devices)
@@ -513,11 +515,15 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
         + (f" (saves {config.model.remat_saves}"
            + (f" in the last {config.model.remat_saves_layers} layers" if config.model.remat_saves_layers >= 0 else "")
            + ")" if config.model.remat else "")
-        + (f", self-attention in blocks of {config.model.attention_block} beyond that length"
-           if config.model.attention_block else ", self-attention with the whole score matrix"))
+        + (f", attention in blocks of {config.model.attention_block} beyond that length"
+           if config.model.attention_block else ", attention with the whole score matrix"))
+    shared = rows_per_shared_prompt(RLSettings.from_config(config))
+    block = int(config.model.attention_block)
     say(f"  step: {B} prompts x {G} responses = {B * G} rows, prompt {P} + response {R} tokens; "
         f"{B * G // shards} rows per batch shard, update in {K} micro-batch(es) of {B * G // K // shards} rows "
-        f"per shard")
+        f"per shard, "
+        + (f"each prompt once for its {shared} rows of a micro-batch (responses' attention "
+           + ("in blocks" if 0 < block < R else "kept whole") + ")" if shared > 1 else "every row with its own prompt"))
     if rollout_devices:
         say(f"  rollouts decode on mesh.rollout_devices={rollout_devices}: a data-parallel mesh of "
             f"{rmesh.devices.size} device(s) holding a copy of the policy beside the train state")
@@ -543,7 +549,7 @@ def run(args: argparse.Namespace, overrides: Sequence[str], out=sys.stdout) -> d
                   "micro_batches": K, "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
                   "remat": bool(config.model.remat), "remat_saves": config.model.remat_saves,
                   "remat_saves_layers": config.model.remat_saves_layers,
-                  "attention_block": config.model.attention_block},
+                  "attention_block": config.model.attention_block, "rows_per_shared_prompt": shared},
         "state_bytes_per_device": {**parts, "total": state_total},
     }
     phases: dict[str, dict] = {}

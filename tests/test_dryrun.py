@@ -91,6 +91,8 @@ def test_tiny_preset_compiles_both_phases_on_8_devices(dry_runs):
     assert state["optimizer"] >= 2 * state["params"]
     assert report["fits"] and not report["tight"]
     assert "lower bound" in out and "FITS" in out
+    # 8 responses a prompt in 2 micro-batches: each micro-batch runs a prompt once for its 4 rows
+    assert report["shape"]["rows_per_shared_prompt"] == 4 and "each prompt once for its 4 rows" in out
     # --explain: the largest temporary buffers, from XLA's buffer assignment
     biggest = report["phases"]["update"]["largest_temp_buffers"]
     assert 0 < len(biggest) <= 3 and biggest[0]["bytes"] >= biggest[-1]["bytes"] > 0 and "[" in biggest[0]["shape"]

@@ -114,6 +114,14 @@ def cpu_update_compiler_options(cpu_gemm_choice: str = "auto", remat: str = "non
                                         dtype=dtype, blockwise=blockwise)}
 
 
+def rows_per_shared_prompt(settings: RLSettings) -> int:
+    """Rows of a group in each of the update's K micro-batches (micro-batch k = rows {i K + k}), whose
+    shared prompt runs through the forward once (`Decoder.grouped_hidden_states`): G / K when
+    `update.share_prompt` and K divides the group size G, else 1 (every row on its own)."""
+    G, K = settings.group_size, settings.num_micro
+    return G // K if settings.share_prompt and G % K == 0 else 1
+
+
 BATCH_NDIMS = {"input_ids": 2, "attention_mask": 2, "response_mask": 2, "old_log_probs": 2, "rewards": 1}
 SAMPLER_STATS_NDIMS = {"old_entropy": 2, "old_pi2_dev": 2}  # read when `RLSettings.takes_sampler_stats`
 
@@ -366,9 +374,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             raise ValueError(f"selection_scope='microbatch' needs N={N} divisible by micro-batches x batch shards "
                              f"= {groups}")
 
-    # Rows per shared prompt in each micro-batch: micro-batch k = rows {i K + k} holds G / K
-    # consecutive rows of every group when K divides G.
-    shared = settings.group_size // K if settings.share_prompt and settings.group_size % K == 0 else 1
+    shared = rows_per_shared_prompt(settings)
 
     adv_seq = group_advantages(batch["rewards"], settings.group_size, scale=settings.advantage_scale,
                                eps=settings.advantage_eps)
