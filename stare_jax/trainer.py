@@ -542,7 +542,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
                 disagreement_seen = True
             row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
                    "step_s": t2 - t0, "compilations": compilations.take()}
-            if disagreement and cpu_gemm.uses_eigen_products(update.compiler_options):
+            if disagreement and cpu_gemm.uses_eigen_products(update.options_for(batch)):
                 # Eigen's products are the kernels seen computing wrong values (stare_jax.cpu_gemm): the
                 # rest of this run's updates compile on XLA:CPU's defaults; this step stands as computed
                 update = update_off_eigen()

@@ -124,3 +124,12 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
     assert [r.get("cpu_gemm_fallback") for r in resumed] == [1, None, None]
     for key in ("loss", "sampler_approx_kl", "entropy", "grad_norm"):
         assert resumed[2][key] == rows[2][key], (key, resumed[2][key], rows[2][key])
+    # With the sequences longer than model.attention_block the update compiles without Eigen's
+    # products (cpu_gemm.compiler_options(blockwise=True)): a disagreement is warned, nothing rebuilt
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stare_jax.trainer"):
+        trainer.train(_config(model, data, **{"total_steps": 1, "checkpoint_every": 1, "model.attention_block": 4}),
+                      str(tmp_path / "blocks"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "disagree" in m] and not [m for m in messages if "rebuilt" in m], messages
+    assert not any("cpu_gemm_fallback" in json.loads(line) for line in open(tmp_path / "blocks" / "metrics.jsonl"))
