@@ -76,11 +76,9 @@ def main() -> None:
     def kept(q, k, v, valid):
         """The grouped update's form below the block: k, v = (prompt, response) pairs."""
         (kp, kr), (vp, vr), (prompt_valid, response_valid) = k, v, valid
-        T = q.shape[1]
-        causal = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-        bias = lambda allowed: jnp.where(allowed, 0.0, MASK_VALUE).astype(jnp.float32)  # noqa: E731
-        return grouped_response_attention(q, kp, vp, kr, vr, bias(prompt_valid > 0),
-                                          bias(causal[None] & (response_valid[:, None, :] > 0)))
+        prompt_bias = jnp.where(prompt_valid > 0, 0.0, MASK_VALUE).astype(jnp.float32)
+        response_bias = causal_bias(response_valid, q.shape[1])[:, 0, 0]
+        return grouped_response_attention(q, kp, vp, kr, vr, prompt_bias, response_bias)
 
     def grouped_blocks(b):
         return lambda q, k, v, valid: grouped_causal_attention(q, k[0], v[0], valid[0], k[1], v[1], valid[1], b)

@@ -112,7 +112,7 @@ def check(args, options: dict | None) -> dict:
     mesh = parallel.mesh_from_config(config.mesh)
     model = ours_peer.load_policy(workload, config, mesh).model
     if options is None:  # as `UpdateStep.options_for`: no Eigen products where attention may run in blocks
-        options = cpu_update_compiler_options(blockwise=0 < model.attention_block < np.shape(batch["input_ids"])[1])
+        options = cpu_update_compiler_options(blockwise=model.self_attention_block(np.shape(batch["input_ids"])[1]) > 0)
     sharded = parallel.shard_batch(batch, mesh)
     graphdef, state = nnx.split(model)
     R = np.shape(batch["response_mask"])[1]

@@ -104,11 +104,8 @@ def _grouped_inputs(B=2, G=3, P=7, R=37, H=4, K=2, hd=8, seed=0, dtype=jnp.float
 
 def _kept(q, kp, vp, kr, vr, prompt_valid, response_valid):
     """The grouped update's form below the block (`grouped_response_attention`, additive masks)."""
-    R = q.shape[1]
-    causal = jnp.arange(R)[None, :] <= jnp.arange(R)[:, None]
-    bias = lambda allowed: jnp.where(allowed, 0.0, MASK_VALUE).astype(jnp.float32)  # noqa: E731
-    return grouped_response_attention(q, kp, vp, kr, vr, bias(prompt_valid > 0),
-                                      bias(causal[None] & (response_valid[:, None, :] > 0)))
+    prompt_bias = jnp.where(prompt_valid > 0, 0.0, MASK_VALUE).astype(jnp.float32)
+    return grouped_response_attention(q, kp, vp, kr, vr, prompt_bias, causal_bias(response_valid, q.shape[1])[:, 0, 0])
 
 
 @pytest.mark.parametrize("block", [4, 16, 36, 64])

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from stare_jax.models.products import einsum_f32 as _mm
 
 _F32 = jnp.float32
-# The masked value of the full-matrix form (decoder._MASK_VALUE): large, finite, negative.
+# The masked value of every additive attention mask (the decoder's too): large, finite, negative.
 MASK_VALUE = -1e30
 
 

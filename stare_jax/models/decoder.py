@@ -36,6 +36,12 @@ _MASK_VALUE = MASK_VALUE
 # grouped responses) (`model.attention_block`; 0: always the whole matrix).
 DEFAULT_ATTENTION_BLOCK = 512
 
+
+def attention_block_for(attention_block: int, length: int) -> int:
+    """The block size attention over `length` positions runs in under `model.attention_block`:
+    `attention_block` when the sequence is longer than it, else 0 (the whole score matrix)."""
+    return attention_block if 0 < attention_block < length else 0
+
 # What a rematerialised layer keeps from its forward pass for the backward (`model.remat_saves`):
 # "nothing" recomputes the whole layer (one extra forward, least memory); "mlp" keeps the MLP's
 # gate/up outputs (2F values per token per layer: 3,072 for a 135M model), so the backward's
@@ -268,9 +274,9 @@ class Decoder(nnx.Module):
         return self._final_norm(x), new_cache
 
     def self_attention_block(self, length: int) -> int:
-        """The block size of causal self-attention over `length` positions: `attention_block` when
-        the sequence is longer than it (blockwise attention), else 0 (the whole score matrix)."""
-        return self.attention_block if 0 < self.attention_block < length else 0
+        """The block size of attention over `length` positions (`attention_block_for` of this
+        model's `attention_block`); 0: the whole score matrix."""
+        return attention_block_for(self.attention_block, length)
 
     def grouped_hidden_states(self, prompt_ids: jax.Array, prompt_mask: jax.Array, response_ids: jax.Array,
                               response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -322,17 +328,15 @@ class Decoder(nnx.Module):
         prompt_pos = positions_from_mask(prompt_mask)
         response_pos = jnp.repeat(prompt_mask.sum(-1), G)[:, None] + jnp.cumsum(response_mask, axis=-1) - 1
         response_pos = jnp.where(response_mask > 0, response_pos, 0)
-        causal = lambda T: jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # noqa: E731
-        as_bias = lambda allowed: jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)  # noqa: E731
         valid = lambda mask: (mask > 0).astype(jnp.float32)  # noqa: E731
         prompt_self = (valid(prompt_mask) if self.self_attention_block(prompt_ids.shape[1]) else
-                       causal_bias(prompt_mask, prompt_ids.shape[1]))
+                       causal_bias(prompt_mask, prompt_ids.shape[1]))                 # [B, P] or [B,1,1,P,P]
         if self.self_attention_block(R):  # grouped_causal_attention: the keys' validity, no [N, R, R] mask
             responses = (valid(prompt_mask), valid(response_mask))                    # [B, P], [N, R]
-        else:
-            responses = (as_bias(prompt_mask > 0),                                    # [B, P]
-                         as_bias(causal(R)[None] & (response_mask[:, None, :] > 0)))  # [N, R, R]
-        biases = (prompt_self, *responses)                                            # prompt_self: [B, P] or [B,1,1,P,P]
+        else:  # grouped_response_attention's additive masks
+            responses = (jnp.where(prompt_mask > 0, 0.0, _MASK_VALUE).astype(jnp.float32),  # [B, P]
+                         causal_bias(response_mask, R)[:, 0, 0])                            # [N, R, R]
+        biases = (prompt_self, *responses)
         embed = lambda ids: self.constrain_batch(jnp.take(self.embed[...], ids, axis=0).astype(self.dtype))  # noqa: E731
         table = rope_table(cfg, prompt_ids.shape[1] + R)  # every position is below P + R
         return embed, rope_angles(cfg, prompt_pos, table), rope_angles(cfg, response_pos, table), biases

@@ -78,7 +78,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax import cpu_gemm, gpu_gemm, parallel
-from stare_jax.models.decoder import positions_from_mask
+from stare_jax.models.decoder import attention_block_for, positions_from_mask
 from stare_jax.models.packing import (Packing, balanced_group_order, balanced_micro_order, block_count, gather_packed, packed_capacity,
                                       packed_rows_and_columns, scatter_packed)
 from stare_jax.rl.advantages import group_advantages
@@ -571,7 +571,7 @@ class UpdateStep:
     def blockwise(self, batch: dict) -> bool:
         """Whether `batch`'s sequences (prompt + response columns) are longer than the model's
         `attention_block`, so that some attention of its update may run in blocks."""
-        return 0 < self.attention_block < np.shape(batch["input_ids"])[1]
+        return attention_block_for(self.attention_block, np.shape(batch["input_ids"])[1]) > 0
 
     def options_for(self, batch: dict) -> dict:
         """The XLA options `batch`'s update compiles with: `compiler_options`, or with attention in
