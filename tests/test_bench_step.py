@@ -573,6 +573,25 @@ def test_bench_decode_layout_times_each_layout(tiny_model, tmp_path):
     assert unknown.returncode == 2 and "--layouts: unknown data_parallel" in unknown.stderr
 
 
+def test_bench_rollout_shards_times_both_forms_of_the_same_rollout(tiny_model):
+    """scripts/bench_rollout_shards.py: the static rollout with EOS on, as one loop per device (the
+    rule's choice) and as one program over the 2-device mesh, the same responses, each form's time,
+    decode steps and rows stepped (the per-device loops step no more rows than the one program)."""
+    model_dir, _ = tiny_model
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_rollout_shards.py"), "--model", model_dir,
+                        "--rows", "16", "--group-size", "4", "--prompt-len", "4", "--new-tokens", "6", "--mix",
+                        "uniform", "--rounds", "1", "--cpu-devices", "2"],
+                       cwd=ROOT, env=subprocess_env(2), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["loops_per_device_rule"] == 2 and out["same_responses"] and out["max_log_prob_difference"] < 1e-5
+    one, per = out["forms"]["one_program"], out["forms"]["per_device"]
+    assert one["median_s"] > 0 and per["median_s"] > 0 and len(one["all_s"]) == len(per["all_s"]) == 1
+    assert 1 <= one["decode_steps"] == per["decode_steps"] <= 5  # at most 6 tokens, the first from the prefill
+    assert per["rows_stepped"] <= one["rows_stepped"] == 16 * one["decode_steps"]
+    assert out["speedup"] > 0 and out["host_cpu"]
+
+
 def test_bench_neighbour_times_the_update_after_each_interlude():
     """scripts/bench_neighbour.py: rollout + update after each interlude, with the update's page faults."""
     script = os.path.join(ROOT, "scripts", "bench_neighbour.py")
@@ -824,6 +843,8 @@ def test_bench_update_refuses_a_bad_setting_before_building_its_batch(tmp_path):
     ("bench_rollout_skew.py", ["--repeats", "0"], "--cpu-devices must be >= 1"),
     ("bench_rollout_skew.py", ["--model", "/nonexistent"], "not a Hugging Face model directory"),
     ("bench_rollout_skew.py", ["--compact", "x"], "--static-rows and --compact: comma-separated integers"),
+    ("bench_rollout_shards.py", ["--model", "/nonexistent"], "not a Hugging Face model directory"),
+    ("bench_rollout_shards.py", ["--rows", "12", "--cpu-devices", "2"], "must be a multiple of --group-size"),
 ])
 def test_rollout_benchmarks_refuse_bad_input_with_exit_2(script, args, msg):
     """Bad sizes, a missing model and unparsable lists are usage errors (exit 2, the message on the

@@ -156,10 +156,11 @@ def test_bfloat16_compute_matches_float32_within_bf16_rounding(chunk):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=0.05 * float(jnp.abs(b).max()))
 
 
-def _while_bodies(hlo: str) -> dict:
-    """name -> text of every computation that some while loop of `hlo` uses as its body, followed by
-    the text of the fused computations it calls (`calls=`), so an op fused away is still found."""
-    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
+def _while_computations(hlo: str) -> dict:
+    """name -> text of every computation that some while loop of `hlo` uses as its body or its
+    condition (evaluated every trip too), followed by the text of the fused computations it calls
+    (`calls=`), so an op fused away is still found."""
+    loops = {name for part in ("body", "condition") for name in re.findall(rf"\bwhile\(.*?\b{part}=%?([\w.\-]+)", hlo)}
     comps, name, lines = {}, None, []
     for line in hlo.splitlines():
         head = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
@@ -179,7 +180,7 @@ def _while_bodies(hlo: str) -> dict:
                 text += "\n" + with_called(called, seen)
         return text
 
-    return {b: with_called(b, {b}) for b in bodies}
+    return {b: with_called(b, {b}) for b in loops}
 
 
 @pytest.mark.parametrize("chunk", [16, 97 - 40])
@@ -212,7 +213,7 @@ def test_data_parallel_dw_partial_sums_match_and_leave_the_loop_free_of_collecti
 
     def loop_collectives(partials):
         hlo = grad_fn(partials).lower(h, w).compile().as_text()
-        bodies = _while_bodies(hlo)
+        bodies = _while_computations(hlo)
         assert bodies, "expected the chunked vocabulary loops"
         return sum(len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in bodies.values())
 

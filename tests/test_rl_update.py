@@ -330,14 +330,14 @@ def test_update_loops_hold_no_collective_on_a_data_parallel_mesh(layout):
     equals one device's: same selections and loss, gradients to float32 rounding."""
     import re
 
-    from tests.test_rl_logprobs import _while_bodies
+    from tests.test_rl_logprobs import _while_computations
     mesh = parallel.make_mesh(data=2, devices=jax.devices()[:2])
     config = make_config(**layout)
     ts = fresh_state(config, mesh)
     step = make_update_step(config, mesh, ts, donate=False)
     batch = make_batch()
     hlo = step.lower(nnx.state(ts), batch, jax.random.key(0), packing=step.packing(batch)).compile().as_text()
-    bodies = _while_bodies(hlo)
+    bodies = _while_computations(hlo)
     collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
     assert len([b for b in bodies.values() if "jvp()/while/body/closed_call/or" in b]) >= 2  # L+ and L- bisections
     assert any("transpose(jvp())" in b for b in bodies.values())  # the scanned layers' backward

@@ -123,6 +123,35 @@ def test_per_device_compaction_equals_static_and_moves_no_row_between_devices(ti
                                     compact_min_rows=min_rows, **kw)[0]
 
 
+@pytest.mark.parametrize("layout", [dict(data=4, tensor=2), dict(data=2)], ids=["dp4-tp2", "dp2"])
+def test_a_static_rollout_whose_rows_can_end_early_runs_one_loop_per_device(tiny_checkpoints, policies, layout):
+    """Without compaction too, a static rollout whose rows can end early (EOS ids, stop lengths) runs
+    one loop per device (`sampler.rollout_shards`): one program over the mesh reduced the rows' done
+    flags over the devices in its loop condition, every decode step. The one-device static
+    sampler's responses, no collective in any while loop's body or condition beyond tensor
+    parallelism's, and each device's loop ends with its own rows (the rows stepped as
+    `compaction_schedule(..., [16], shards)` replays them, fewer than 16 a step); a fixed trip count
+    (no EOS ids, no stop lengths) stays one program."""
+    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 5, 1), total=7)
+    stop = np.array([10, 2, 7, 10, 1, 3, 1, 2, 4, 9, 2, 2, 8, 1, 1, 3], np.int32)
+    kw = dict(group_size=4, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9)
+    ref = generate(policies["qwen3"], ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)
+    mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
+    shards = parallel.batch_divisor(mesh)
+    assert sampler.rollout_shards(mesh, 4, 4, early_stop=True) == shards
+    assert sampler.rollout_shards(mesh, 4, 4) == 1
+    sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
+    got = generate(sharded, ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)
+    assert_same_rollout(got, ref)
+    for name in ("tokens", "response_ids", "log_probs"):
+        assert {s.data.shape[0] for s in getattr(got, name).addressable_shards} == {16 // shards}, name
+    inside, steps = rollout_loop_collectives(sharded, mesh, (ids, mask, jax.random.key(9), stop), rows=16, **kw)
+    assert not inside
+    plan = sampler.compaction_schedule(lengths_of(ref), [16], shards)
+    assert (int(steps[0]), int(steps[1])) == (plan["decode_steps"], plan["row_steps"])
+    assert plan["row_steps"] < 16 * plan["decode_steps"]  # a device whose rows were done stopped early
+
+
 def test_new_length_outcomes_do_not_recompile(policies):
     ids, mask = prompts()
     model = policies["qwen2"]

@@ -123,14 +123,14 @@ def rollout_loop_collectives(policy, mesh, inputs, **spec_args):
     Tensor parallelism's own sums (the heads' partial products) are the only ones a loop may hold."""
     import re
 
-    from tests.test_rl_logprobs import _while_bodies
+    from tests.test_rl_logprobs import _while_computations
     graphdef, state = nnx.split(policy.model)
     ids, mask, rng, stop = inputs
     placed = jax.device_put((jax.numpy.asarray(ids, np.int32), jax.numpy.asarray(mask, np.int32), rng,
                              jax.numpy.asarray(stop, np.int32)), parallel.replicated(mesh))
     spec = sampler.rollout_spec(policy.model.dtype, state, pad_id=PAD, mesh=mesh, **spec_args)
     compiled = sampler._compiled_rollout(graphdef, spec, True)
-    bodies = _while_bodies(compiled.lower(state, *placed).compile().as_text())
+    bodies = _while_computations(compiled.lower(state, *placed).compile().as_text())
     assert bodies
     collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
     tensor_only = f"replica_groups=[{mesh.size // mesh.shape['tensor']},{mesh.shape['tensor']}]<=[{mesh.size}]"

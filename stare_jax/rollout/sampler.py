@@ -140,10 +140,11 @@ def generate(policy, prompt_ids, prompt_mask, *, rng: jax.Array | None, group_si
     changes speed, not results beyond floating-point rounding.
 
     With a mesh (`mesh=`, else `Policy.mesh`, else the one the parameters live on) the B*G rows
-    are split over the ("data", "fsdp") axes, whose size must divide B*G. A slot or compacting
-    rollout runs one loop per device where those shards divide the B prompts and the weights are
-    not FSDP-sharded (`rollout_shards`): each device decodes the rows it holds, and no row moves
-    between devices inside the loop.
+    are split over the ("data", "fsdp") axes, whose size must divide B*G. A slot rollout, or a
+    static one whose rows can end early (EOS ids or `stop_lengths`), runs one loop per device where
+    those shards divide the B prompts and the weights are not FSDP-sharded (`rollout_shards`): each
+    device decodes the rows it holds until they are done, and no decode step moves rows or reduces
+    their done flags across devices.
 
     `slots=S > 0` decodes with S slots that are refilled with the next pending response as soon
     as theirs ends (`stare_jax.rollout.slots`; at most B*G are used) instead of B*G rows in
@@ -260,7 +261,8 @@ def describe(spec: RolloutSpec, prompts: int) -> str:
     the static batch (compacting down to `compact_min_rows` rows when set) or the slot sampler with
     its slots, whether each batch shard of the mesh runs its own loop (`rollout_shards`), and, on a
     mesh that splits the weights over `fsdp`, that every decode step gathers them."""
-    shards = rollout_shards(spec.mesh, prompts, spec.group_size, spec.slots, spec.compact_min_rows)
+    shards = rollout_shards(spec.mesh, prompts, spec.group_size, spec.slots, spec.compact_min_rows,
+                            early_stop=bool(spec.eos_ids))
     each = prompts // shards
     prompts_each = f"{each} prompt{'s' if each != 1 else ''} each"
     fsdp = 1 if spec.mesh is None else spec.mesh.shape["fsdp"]
@@ -305,16 +307,18 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     `with_steps`: returns (result, int32 [2]: decode steps, rows stepped summed over them), which
     `compaction_schedule` replays on the host.
 
-    A compacting rollout on a mesh of several batch shards that divide the prompts (and do not
-    split the weights) runs one loop per device (`rollout_shards`): each device compacts its own
-    rows, so no step gathers rows across devices; the steps are then the longest device loop's and
-    the rows stepped the devices' sum."""
+    A rollout whose rows can end early (EOS ids or stop lengths) on a mesh of several batch shards
+    that divide the prompts (and do not split the weights) runs one loop per device
+    (`rollout_shards`): each device stops when its own rows are done and, compacting, compacts its
+    own rows, so no decode step reduces or gathers anything across devices; the steps are then the
+    longest device loop's and the rows stepped the devices' sum."""
     global trace_count
     trace_count += 1
     B = prompt_ids.shape[0]
     G, R = spec.group_size, spec.max_new_tokens
     N = B * G
-    shards = rollout_shards(spec.mesh, B, G, compact_min_rows=spec.compact_min_rows)
+    shards = rollout_shards(spec.mesh, B, G, compact_min_rows=spec.compact_min_rows,
+                            early_stop=bool(spec.eos_ids) or stop_lengths is not None)
     if shards > 1:
         local_spec = dataclasses.replace(spec, mesh=None, compact_min_rows=-(-spec.compact_min_rows // shards))
 
@@ -361,14 +365,17 @@ def shard_loops(graphdef, mesh: Mesh, loop, state, rng, *row_inputs):
                          check_vma=False)(state, rng, *row_inputs)
 
 
-def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int = 0, compact_min_rows: int = 0) -> int:
+def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int = 0, compact_min_rows: int = 0,
+                   early_stop: bool = False) -> int:
     """How many independent loops a rollout of `prompts` x `group_size` responses runs on `mesh`:
     one per batch shard (D = data x fsdp > 1) where D divides the prompts, the weights are not split
     over `fsdp` (each loop takes them whole; rollout meshes, `mesh.rollout_devices`, are purely
-    data-parallel) and the sampler would otherwise move rows between devices inside its loop: the
-    slot sampler with a multiple of D slots (its queue, `slots.slot_rollout`), or the static one
-    compacting (`compact_min_rows`, at least one compaction stage); else 1, one program over the
-    mesh (the static batch without compaction holds no collective in its loop as it is)."""
+    data-parallel) and one program over the mesh would hold a collective in its loop: the slot
+    sampler with a multiple of D slots (its queue moves rows, `slots.slot_rollout`), the static one
+    compacting (`compact_min_rows`, at least one compaction stage: it moves rows), or the static one
+    whose rows can end early (`early_stop`: EOS ids or stop lengths), whose loop condition would
+    otherwise reduce the rows' done flags over the devices in every decode step; else 1, one
+    program over the mesh (the static batch of a fixed trip count holds no collective in its loop)."""
     if mesh is None or mesh.shape["fsdp"] > 1:
         return 1
     shards = parallel.batch_divisor(mesh)
@@ -377,7 +384,7 @@ def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int 
     if slots:
         return shards if min(slots, prompts * group_size) % shards == 0 else 1
     stages = decode_stages(prompts * group_size, compact_min_rows, shards)
-    return shards if len(stages) > 1 else 1
+    return shards if len(stages) > 1 or early_stop else 1
 
 
 def _grouped_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, uniforms: jax.Array | None,
