@@ -303,3 +303,13 @@ def test_bench_attention_times_both_forms_and_reads_their_memory():
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_attention.py"), "--lengths", "0"],
                          cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--lengths" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_configs_attention_block_default_is_the_decoders():
+    """`model.attention_block`'s default in config.py (which imports no JAX) and the decoder's and
+    loaders' `DEFAULT_ATTENTION_BLOCK` name the same block, so a model built outside the trainer
+    attends as a trained one does."""
+    from stare_jax import config as config_lib
+    from stare_jax.models.decoder import DEFAULT_ATTENTION_BLOCK
+
+    assert config_lib.default_config().model.attention_block == DEFAULT_ATTENTION_BLOCK

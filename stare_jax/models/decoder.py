@@ -33,7 +33,8 @@ _MASK_VALUE = MASK_VALUE
 # Self-attention over more positions than this, and the grouped update's attention of longer
 # responses, runs in blocks of this many (`models.blockwise_attention`: no [T, T] score matrix,
 # memory linear in the length); shorter sequences form the whole matrix (`models.attention` for
-# grouped responses) (`model.attention_block`; 0: always the whole matrix).
+# grouped responses) (`model.attention_block`, whose default in config.py is this value: a test
+# holds them equal; 0: always the whole matrix).
 DEFAULT_ATTENTION_BLOCK = 512
 
 
