@@ -87,59 +87,28 @@ def test_compaction_on_a_mesh_with_filtered_sampling(tiny_checkpoints, policies)
     assert sampler.compaction_schedule(lengths_of(ref), [8, 4])["stages"][1][1] > 0
 
 
-@pytest.mark.parametrize("layout,min_rows", [(dict(data=4, tensor=2), 4), (dict(data=2), 2)],
-                         ids=["dp4-tp2", "dp2"])
-def test_per_device_compaction_equals_static_and_moves_no_row_between_devices(tiny_checkpoints, policies, layout,
-                                                                              min_rows):
-    """On a mesh whose batch shards divide the prompts (weights not FSDP-sharded) a compacting
-    rollout runs one loop per device (`sampler.rollout_shards`), each compacting its own rows: the
-    one-device static sampler's responses, outputs split over the batch axes, no collective inside
-    any while loop beyond tensor parallelism's own (the one-program form on an FSDP mesh gathers
-    rows in every step), and the devices' steps and rows stepped as `compaction_schedule(...,
-    shards=D)` replays them."""
+@pytest.mark.parametrize("layout,min_rows", [(dict(data=4, tensor=2), 4), (dict(data=2), 2), (dict(data=4, tensor=2), 0),
+                                             (dict(data=2), 0)],
+                         ids=["dp4-tp2-compacting", "dp2-compacting", "dp4-tp2", "dp2"])
+def test_a_static_rollout_whose_rows_can_end_early_runs_one_loop_per_device(tiny_checkpoints, policies, layout,
+                                                                            min_rows):
+    """On a mesh whose batch shards divide the prompts (weights not FSDP-sharded) a static rollout
+    whose rows can end early (EOS ids, stop lengths) runs one loop per device
+    (`sampler.rollout_shards`), compacting (`min_rows` > 0) or not: one program over the mesh would
+    gather rows when it compacts, and reduce the rows' done flags over the devices in its loop
+    condition every decode step either way. The one-device static sampler's responses, outputs
+    split over the batch axes, no collective in any while loop's body or condition beyond tensor
+    parallelism's own (the one-program form on an FSDP mesh has them), and the devices' steps and
+    rows stepped as `compaction_schedule(..., shards=D)` replays them: each device compacts, or
+    stops, with its own rows. A fixed trip count (no EOS ids, no stop lengths) stays one program."""
     ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 5, 1), total=7)
     stop = np.array([10, 2, 7, 10, 1, 3, 1, 2, 4, 9, 2, 2, 8, 1, 1, 3], np.int32)
-    kw = dict(group_size=4, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9)
-    ref = generate(policies["qwen3"], ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)
+    kw = dict(group_size=4, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9, compact_min_rows=min_rows)
+    ref = generate(policies["qwen3"], ids, mask, rng=jax.random.key(9), stop_lengths=stop, **dict(kw, compact_min_rows=0))
     mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
     shards = parallel.batch_divisor(mesh)
-    assert sampler.rollout_shards(mesh, 4, 4, compact_min_rows=min_rows) == shards
-    assert sampler.rollout_shards(mesh, 4, 4) == 1  # no compaction: one program (its loop holds no collective)
-    sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
-    got = generate(sharded, ids, mask, rng=jax.random.key(9), stop_lengths=stop, compact_min_rows=min_rows, **kw)
-    assert_same_rollout(got, ref)
-    for name in ("tokens", "response_ids", "log_probs"):
-        assert {s.data.shape[0] for s in getattr(got, name).addressable_shards} == {16 // shards}, name
-    inside, steps = rollout_loop_collectives(sharded, mesh, (ids, mask, jax.random.key(9), stop), rows=16,
-                                             compact_min_rows=min_rows, **kw)
-    assert not inside
-    stages = sampler.decode_stages(16, min_rows, shards)
-    plan = sampler.compaction_schedule(lengths_of(ref), stages, shards)
-    assert len(stages) > 2 and any(k > 0 for shard in plan["stages"] for _, k in shard[1:])  # it compacted
-    assert (int(steps[0]), int(steps[1])) == (plan["decode_steps"], plan["row_steps"])
-    fsdp = parallel.make_mesh(data=2, fsdp=2, tensor=2)
-    on_fsdp = from_pretrained(tiny_checkpoints["qwen3"], mesh=fsdp, load_tokenizer=False)
-    assert rollout_loop_collectives(on_fsdp, fsdp, (ids, mask, jax.random.key(9), stop), rows=16,
-                                    compact_min_rows=min_rows, **kw)[0]
-
-
-@pytest.mark.parametrize("layout", [dict(data=4, tensor=2), dict(data=2)], ids=["dp4-tp2", "dp2"])
-def test_a_static_rollout_whose_rows_can_end_early_runs_one_loop_per_device(tiny_checkpoints, policies, layout):
-    """Without compaction too, a static rollout whose rows can end early (EOS ids, stop lengths) runs
-    one loop per device (`sampler.rollout_shards`): one program over the mesh reduced the rows' done
-    flags over the devices in its loop condition, every decode step. The one-device static
-    sampler's responses, no collective in any while loop's body or condition beyond tensor
-    parallelism's, and each device's loop ends with its own rows (the rows stepped as
-    `compaction_schedule(..., [16], shards)` replays them, fewer than 16 a step); a fixed trip count
-    (no EOS ids, no stop lengths) stays one program."""
-    ids, mask, _ = hf_fixtures.left_padded_batch(lengths=(7, 3, 5, 1), total=7)
-    stop = np.array([10, 2, 7, 10, 1, 3, 1, 2, 4, 9, 2, 2, 8, 1, 1, 3], np.int32)
-    kw = dict(group_size=4, max_new_tokens=10, eos_ids=(2, 5), temperature=0.9)
-    ref = generate(policies["qwen3"], ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)
-    mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
-    shards = parallel.batch_divisor(mesh)
-    assert sampler.rollout_shards(mesh, 4, 4, early_stop=True) == shards
-    assert sampler.rollout_shards(mesh, 4, 4) == 1
+    assert sampler.rollout_shards(mesh, 4, 4, compact_min_rows=min_rows, early_stop=True) == shards
+    assert sampler.rollout_shards(mesh, 4, 4) == 1  # a fixed trip count: one program, no collective in its loop
     sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
     got = generate(sharded, ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)
     assert_same_rollout(got, ref)
@@ -147,9 +116,16 @@ def test_a_static_rollout_whose_rows_can_end_early_runs_one_loop_per_device(tiny
         assert {s.data.shape[0] for s in getattr(got, name).addressable_shards} == {16 // shards}, name
     inside, steps = rollout_loop_collectives(sharded, mesh, (ids, mask, jax.random.key(9), stop), rows=16, **kw)
     assert not inside
-    plan = sampler.compaction_schedule(lengths_of(ref), [16], shards)
+    stages = sampler.decode_stages(16, min_rows, shards)
+    plan = sampler.compaction_schedule(lengths_of(ref), stages, shards)
     assert (int(steps[0]), int(steps[1])) == (plan["decode_steps"], plan["row_steps"])
-    assert plan["row_steps"] < 16 * plan["decode_steps"]  # a device whose rows were done stopped early
+    if min_rows:
+        assert len(stages) > 2 and any(k > 0 for shard in plan["stages"] for _, k in shard[1:])  # it compacted
+    else:
+        assert plan["row_steps"] < 16 * plan["decode_steps"]  # a device whose rows were done stopped early
+    fsdp = parallel.make_mesh(data=2, fsdp=2, tensor=2)
+    on_fsdp = from_pretrained(tiny_checkpoints["qwen3"], mesh=fsdp, load_tokenizer=False)
+    assert rollout_loop_collectives(on_fsdp, fsdp, (ids, mask, jax.random.key(9), stop), rows=16, **kw)[0]
 
 
 def test_new_length_outcomes_do_not_recompile(policies):
