@@ -213,9 +213,9 @@ def test_data_parallel_dw_partial_sums_match_and_leave_the_loop_free_of_collecti
 
     def loop_collectives(partials):
         hlo = grad_fn(partials).lower(h, w).compile().as_text()
-        bodies = _while_computations(hlo)
-        assert bodies, "expected the chunked vocabulary loops"
-        return sum(len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in bodies.values())
+        loops = _while_computations(hlo)
+        assert loops, "expected the chunked vocabulary loops"
+        return sum(len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in loops.values())
 
     assert loop_collectives(None) > 0  # the replicated accumulation all-reduces inside the loop
     assert loop_collectives(partials) == 0

@@ -337,11 +337,11 @@ def test_update_loops_hold_no_collective_on_a_data_parallel_mesh(layout):
     step = make_update_step(config, mesh, ts, donate=False)
     batch = make_batch()
     hlo = step.lower(nnx.state(ts), batch, jax.random.key(0), packing=step.packing(batch)).compile().as_text()
-    bodies = _while_computations(hlo)
+    loops = _while_computations(hlo)
     collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-    assert len([b for b in bodies.values() if "jvp()/while/body/closed_call/or" in b]) >= 2  # L+ and L- bisections
-    assert any("transpose(jvp())" in b for b in bodies.values())  # the scanned layers' backward
-    assert not [name for name, body in bodies.items() if collective.search(body)]
+    assert len([b for b in loops.values() if "jvp()/while/body/closed_call/or" in b]) >= 2  # L+ and L- bisections
+    assert any("transpose(jvp())" in b for b in loops.values())  # the scanned layers' backward
+    assert not [name for name, body in loops.items() if collective.search(body)]
     assert collective.search(hlo)  # the sums over devices are still there, outside the loops
 
     one = parallel.make_mesh(devices=jax.devices()[:1])

@@ -117,8 +117,8 @@ def test_filtered_sampling_and_sharded_slots_equal_static(tiny_checkpoints, poli
 
 
 def rollout_loop_collectives(policy, mesh, inputs, **spec_args):
-    """([collectives inside the compiled rollout's while loops that span more than one `tensor`
-    group], the rollout's int32 [2] steps) for `sampler.rollout_spec(**spec_args)` on `mesh`, run on
+    """([collectives inside the compiled rollout's while loops, bodies and conditions, that span more
+    than one `tensor` group], the rollout's int32 [2] steps) for `sampler.rollout_spec(**spec_args)` on `mesh`, run on
     `inputs` (prompt ids, mask, key, stop lengths; placed replicated as `generate` places them).
     Tensor parallelism's own sums (the heads' partial products) are the only ones a loop may hold."""
     import re
@@ -130,11 +130,11 @@ def rollout_loop_collectives(policy, mesh, inputs, **spec_args):
                              jax.numpy.asarray(stop, np.int32)), parallel.replicated(mesh))
     spec = sampler.rollout_spec(policy.model.dtype, state, pad_id=PAD, mesh=mesh, **spec_args)
     compiled = sampler._compiled_rollout(graphdef, spec, True)
-    bodies = _while_computations(compiled.lower(state, *placed).compile().as_text())
-    assert bodies
+    loops = _while_computations(compiled.lower(state, *placed).compile().as_text())
+    assert loops
     collective = re.compile(r"\b(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
     tensor_only = f"replica_groups=[{mesh.size // mesh.shape['tensor']},{mesh.shape['tensor']}]<=[{mesh.size}]"
-    found = [line.strip() for body in bodies.values() for line in body.splitlines() if collective.search(line)]
+    found = [line.strip() for body in loops.values() for line in body.splitlines() if collective.search(line)]
     return [line for line in found if tensor_only not in line], compiled(state, *placed)[1]
 
 
