@@ -83,8 +83,7 @@ def run(args) -> dict:
     spec = sampler.rollout_spec(policy.model.dtype, state, rows=args.rows, group_size=args.group_size,
                                 max_new_tokens=args.new_tokens, eos_ids=(0,), pad_id=0, mesh=mesh,
                                 compact_min_rows=args.compact_min_rows)
-    loops = sampler.rollout_shards(mesh, prompts, args.group_size, compact_min_rows=args.compact_min_rows,
-                                   early_stop=True)
+    loops = sampler.rollout_shards(mesh, prompts, args.group_size, early_stop=True)
     forms = {"per_device": sampler._compiled_rollout.__wrapped__(graphdef, spec, True)}
     with mock.patch.object(sampler, "rollout_shards", lambda *a, **k: 1):  # traced at its first call
         forms["one_program"] = sampler._compiled_rollout.__wrapped__(graphdef, spec, True)

@@ -277,7 +277,7 @@ def main() -> None:
     for s, name in names.items():
         median = statistics.median(times[s])
         if isinstance(s, tuple):
-            loops = sampler.rollout_shards(mesh, args.batch // args.group_size, args.group_size, compact_min_rows=s[1],
+            loops = sampler.rollout_shards(mesh, args.batch // args.group_size, args.group_size,
                                            early_stop=True)  # its stop lengths end the rows
             plan = sampler.compaction_schedule(lengths, sampler.decode_stages(args.batch, s[1], args.cpu_devices), loops)
             if (plan["decode_steps"], plan["row_steps"]) != device_steps[s]:

@@ -107,7 +107,7 @@ def test_a_static_rollout_whose_rows_can_end_early_runs_one_loop_per_device(tiny
     ref = generate(policies["qwen3"], ids, mask, rng=jax.random.key(9), stop_lengths=stop, **dict(kw, compact_min_rows=0))
     mesh = parallel.make_mesh(**layout, devices=jax.devices()[:int(np.prod(list(layout.values())))])
     shards = parallel.batch_divisor(mesh)
-    assert sampler.rollout_shards(mesh, 4, 4, compact_min_rows=min_rows, early_stop=True) == shards
+    assert sampler.rollout_shards(mesh, 4, 4, early_stop=True) == shards
     assert sampler.rollout_shards(mesh, 4, 4) == 1  # a fixed trip count: one program, no collective in its loop
     sharded = from_pretrained(tiny_checkpoints["qwen3"], mesh=mesh, load_tokenizer=False)
     got = generate(sharded, ids, mask, rng=jax.random.key(9), stop_lengths=stop, **kw)

@@ -261,8 +261,7 @@ def describe(spec: RolloutSpec, prompts: int) -> str:
     the static batch (compacting down to `compact_min_rows` rows when set) or the slot sampler with
     its slots, whether each batch shard of the mesh runs its own loop (`rollout_shards`), and, on a
     mesh that splits the weights over `fsdp`, that every decode step gathers them."""
-    shards = rollout_shards(spec.mesh, prompts, spec.group_size, spec.slots, spec.compact_min_rows,
-                            early_stop=bool(spec.eos_ids))
+    shards = rollout_shards(spec.mesh, prompts, spec.group_size, spec.slots, early_stop=bool(spec.eos_ids))
     each = prompts // shards
     prompts_each = f"{each} prompt{'s' if each != 1 else ''} each"
     fsdp = 1 if spec.mesh is None else spec.mesh.shape["fsdp"]
@@ -317,8 +316,7 @@ def grouped_rollout(graphdef, state, prompt_ids: jax.Array, prompt_mask: jax.Arr
     B = prompt_ids.shape[0]
     G, R = spec.group_size, spec.max_new_tokens
     N = B * G
-    shards = rollout_shards(spec.mesh, B, G, compact_min_rows=spec.compact_min_rows,
-                            early_stop=bool(spec.eos_ids) or stop_lengths is not None)
+    shards = rollout_shards(spec.mesh, B, G, early_stop=bool(spec.eos_ids) or stop_lengths is not None)
     if shards > 1:
         local_spec = dataclasses.replace(spec, mesh=None, compact_min_rows=-(-spec.compact_min_rows // shards))
 
@@ -365,17 +363,16 @@ def shard_loops(graphdef, mesh: Mesh, loop, state, rng, *row_inputs):
                          check_vma=False)(state, rng, *row_inputs)
 
 
-def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int = 0, compact_min_rows: int = 0,
-                   early_stop: bool = False) -> int:
+def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int = 0, early_stop: bool = False) -> int:
     """How many independent loops a rollout of `prompts` x `group_size` responses runs on `mesh`:
     one per batch shard (D = data x fsdp > 1) where D divides the prompts, the weights are not split
     over `fsdp` (each loop takes them whole; rollout meshes, `mesh.rollout_devices`, are purely
     data-parallel) and one program over the mesh would hold a collective in its loop: the slot
-    sampler with a multiple of D slots (its queue moves rows, `slots.slot_rollout`), the static one
-    compacting (`compact_min_rows`, at least one compaction stage: it moves rows), or the static one
-    whose rows can end early (`early_stop`: EOS ids or stop lengths), whose loop condition would
-    otherwise reduce the rows' done flags over the devices in every decode step; else 1, one
-    program over the mesh (the static batch of a fixed trip count holds no collective in its loop)."""
+    sampler with a multiple of D slots (its queue moves rows, `slots.slot_rollout`), or the static
+    one whose rows can end early (`early_stop`: EOS ids or stop lengths), whose loop condition would
+    otherwise reduce the rows' done flags over the devices in every decode step and whose
+    compaction (`compact_min_rows`, only then) would move rows; else 1, one program over the mesh
+    (the static batch of a fixed trip count holds no collective in its loop)."""
     if mesh is None or mesh.shape["fsdp"] > 1:
         return 1
     shards = parallel.batch_divisor(mesh)
@@ -383,8 +380,7 @@ def rollout_shards(mesh: Mesh | None, prompts: int, group_size: int, slots: int 
         return 1
     if slots:
         return shards if min(slots, prompts * group_size) % shards == 0 else 1
-    stages = decode_stages(prompts * group_size, compact_min_rows, shards)
-    return shards if len(stages) > 1 or early_stop else 1
+    return shards if early_stop else 1
 
 
 def _grouped_loop(model: Decoder, prompt_ids: jax.Array, prompt_mask: jax.Array, uniforms: jax.Array | None,
