@@ -1,7 +1,8 @@
 """Ad hoc (kept as the record of docs/performance.md, "Eigen's fault between two programs running at once"): the
 fault's program as two single-device executables, run at once or one after the other, and beside other work.
 
-Run from the repository root after `python scripts/bench_update.py --reps 1` (the batch cache); ~4 min on 2 cores."""
+Run from the repository root after `python scripts/bench_update.py --reps 1` (the batch cache); ~7 min on 2 cores (every form of
+runs 2-4 of the raw file in one go)."""
 import json, os, pickle, sys, threading, time
 sys.argv = [sys.argv[0]]
 ROOT = os.getcwd(); HERE = os.path.join(ROOT, "scripts"); sys.path.insert(0, HERE); sys.path.insert(0, HERE + "/bench_peers")
@@ -90,3 +91,19 @@ for tag, other in (("beside YNNPACK's program on device 1", lambda: g1(st1, ids1
     t1 = threading.Thread(target=other) if other else None
     t0.start(); t1 and t1.start(); t0.join(); t1 and t1.join()
     report0("device 0's Eigen program " + tag, out[0])
+# run 4 of the raw file: the model forward on device 1 with and without attention blocks, either kernel
+import copy
+variants = []
+for block, opts, tag in ((1024, dict(CPU_UPDATE_COMPILER_OPTIONS), "YNNPACK forward without attention blocks"),
+                         (128, dict(CPU_UPDATE_COMPILER_OPTIONS), "YNNPACK forward with attention blocks"),
+                         (1024, OPTS, "Eigen forward without attention blocks")):
+    c = copy.deepcopy(config); c.model.attention_block = block
+    gd, stv = nnx.split(ours_peer.load_policy(workload, c, m1).model)
+    g = jax.jit(make_hidden(m1, gd), compiler_options=opts); g(stv, ids1, mask1).block_until_ready()
+    variants.append((tag, lambda g=g, stv=stv: g(stv, ids1, mask1).block_until_ready()))
+for tag, other in variants + variants:
+    out = [None]
+    t0 = threading.Thread(target=lambda: out.__setitem__(0, np.asarray(f0(st0, ids0, mask0))))
+    t1 = threading.Thread(target=other)
+    t0.start(); t1.start(); t0.join(); t1.join()
+    report0("device 0's Eigen program beside " + tag + " on device 1", out[0])
