@@ -20,6 +20,11 @@ two devices and SmolLM2's 30 layers.
     python scripts/bench_update.py --reps 1          # writes runs/bench_update_batch.pkl once
     python scripts/check_update_kernels.py [--options JSON] [--layers N] [--rows N] [--calls 2]
 
+`--per-device-programs` also compiles the option set under test as one single-device program per
+device (each on its own copy of the model and its own rows) and runs them from one thread each at
+once, then one after the other: the fault of the section "Eigen's fault between two programs running
+at once" shows in the first and not in the second.
+
 `--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
 groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N` sets
 `model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81, its responses of
@@ -58,6 +63,9 @@ def main() -> None:
     ap.add_argument("--attention-block", type=int, default=None,
                     help="model.attention_block (default: the config's); below the prompts' (responses') "
                          "length their attention runs in blocks")
+    ap.add_argument("--per-device-programs", action="store_true",
+                    help="also run the options under test as one single-device program per device, at once and "
+                         "one after the other")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
@@ -69,6 +77,8 @@ def main() -> None:
         ap.error("--options must be a JSON object")
     if args.calls < 1 or args.layers < 0 or args.rows < 0 or (args.attention_block or 0) < 0:
         ap.error("--calls must be >= 1, --layers, --rows and --attention-block >= 0")
+    if args.per_device_programs and args.cpu_devices == 1:
+        ap.error("--per-device-programs needs more than one CPU device (--cpu-devices 0 or >= 2)")
     if args.rows % common.REAL["group_size"]:
         ap.error(f"--rows must be a multiple of the group size {common.REAL['group_size']}")
     if not os.path.exists(args.batch_cache):
@@ -94,6 +104,8 @@ def check(args, options: dict | None) -> dict:
         config.model.attention_block = args.attention_block
     from stare_jax import distributed, parallel
     distributed.initialize(config)
+    import threading
+
     import jax
     import numpy as np
     from flax import nnx
@@ -113,35 +125,68 @@ def check(args, options: dict | None) -> dict:
     model = ours_peer.load_policy(workload, config, mesh).model
     if options is None:  # as `UpdateStep.options_for`: no Eigen products where attention may run in blocks
         options = cpu_update_compiler_options(blockwise=model.self_attention_block(np.shape(batch["input_ids"])[1]) > 0)
-    sharded = parallel.shard_batch(batch, mesh)
-    graphdef, state = nnx.split(model)
     R = np.shape(batch["response_mask"])[1]
     positions = np.asarray(batch["response_mask"]) > 0
 
-    def hidden(state, ids, mask):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            m = nnx.merge(graphdef, state)
-            prompts = lambda x: _group_prompts(x, group_size=group, prompt_len=ids.shape[1] - R)  # noqa: E731
-            return m.grouped_hidden_states(prompts(ids), prompts(mask), ids[:, -R:], mask[:, -R:])[1]
+    def compiled(model, mesh, opts, ids, mask):
+        """The decoder's final hidden states of (ids, mask) on `mesh` under `opts`, compiled once,
+        as a function of no arguments returning a host array."""
+        graphdef, state = nnx.split(model)
 
-    def compiled(opts):  # one program per option set, called as often as needed
+        def hidden(state, ids, mask):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                m = nnx.merge(graphdef, state)
+                prompts = lambda x: _group_prompts(x, group_size=group, prompt_len=ids.shape[1] - R)  # noqa: E731
+                return m.grouped_hidden_states(prompts(ids), prompts(mask), ids[:, -R:], mask[:, -R:])[1]
+
         fn = jax.jit(hidden, compiler_options=opts or None)
-        return lambda: np.asarray(fn(state, sharded["input_ids"], sharded["attention_mask"]))
+        return lambda: np.asarray(fn(state, ids, mask))
 
-    reference = compiled(dict(CPU_UPDATE_COMPILER_OPTIONS))()
-    under_test = compiled(options)
+    def compare(got, reference):
+        diff = np.where(positions, np.abs(got - reference).max(axis=-1), 0.0)
+        return {"rows_off": np.nonzero(diff.max(axis=1) > args.tolerance)[0].tolist(), "max_difference": float(diff.max())}
+
+    sharded = parallel.shard_batch(batch, mesh)
+    reference = compiled(model, mesh, dict(CPU_UPDATE_COMPILER_OPTIONS), sharded["input_ids"], sharded["attention_mask"])()
+    under_test = compiled(model, mesh, options, sharded["input_ids"], sharded["attention_mask"])
     calls, first = [], None
     for _ in range(args.calls):
         got = under_test()
-        diff = np.where(positions, np.abs(got - reference).max(axis=-1), 0.0)
-        calls.append({"rows_off": np.nonzero(diff.max(axis=1) > args.tolerance)[0].tolist(),
-                      "max_difference": float(diff.max())})
+        calls.append(compare(got, reference))
         first = got if first is None else first
         calls[-1]["equals_first_call"] = bool(np.array_equal(got, first))
-    return {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
-            "rows": int(positions.shape[0]), "layers": args.layers or model.config.num_layers,
-            "attention_block": model.attention_block,
-            "devices": jax.device_count(), "host_cpu": common.host_cpu()}
+    result = {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
+              "rows": int(positions.shape[0]), "layers": args.layers or model.config.num_layers,
+              "attention_block": model.attention_block,
+              "devices": jax.device_count(), "host_cpu": common.host_cpu()}
+    if args.per_device_programs:
+        devices = list(mesh.devices.flat)
+        rows = positions.shape[0] // len(devices)  # the data axis holds each device's rows contiguously
+        programs = []
+        for i, device in enumerate(devices):
+            mesh1 = jax.sharding.Mesh(np.array([device]).reshape((1,) * len(mesh.axis_names)), mesh.axis_names)
+            part = {k: jax.device_put(np.asarray(batch[k])[i * rows:(i + 1) * rows], device)
+                    for k in ("input_ids", "attention_mask")}
+            program = compiled(ours_peer.load_policy(workload, config, mesh1).model, mesh1, options,
+                               part["input_ids"], part["attention_mask"])
+            program()  # compiled and run once before the timed forms
+            programs.append(program)
+        outputs = [None] * len(programs)
+
+        def run(i):
+            outputs[i] = programs[i]()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(programs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        at_once = compare(np.concatenate(outputs), reference)
+        for i in range(len(programs)):
+            run(i)
+        result["per_device_programs"] = {"at_once": at_once,
+                                         "one_after_another": compare(np.concatenate(outputs), reference)}
+    return result
 
 
 if __name__ == "__main__":
