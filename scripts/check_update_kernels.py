@@ -5,8 +5,9 @@ responses after it) runs on the fixed real-model batch of `scripts/bench_update.
 data-parallel CPU mesh, each option set compiled once: once with XLA:CPU's YNNPACK products
 (`update.CPU_UPDATE_COMPILER_OPTIONS` alone, `model.cpu_gemm = "ynnpack"`: the reference) and
 `--calls` times with `--options`. It prints one JSON line: for each call, the rows whose final
-hidden states differ from the reference by more than `--tolerance` at a response position, and the
-largest difference; and whether the calls agree with each other. The default `--options` are the
+hidden states differ from the reference by more than `--tolerance` at a response position, the
+largest difference and how many response positions differ (with the first and last, counted row-major
+over the rows and their response positions); and whether the calls agree with each other. The default `--options` are the
 update's shipped ones for the batch (`model.cpu_gemm = "auto"`: Eigen's products, YNNPACK's
 reductions; XLA's defaults where the sequences are longer than `model.attention_block`, whose
 blocks met the fault: `--attention-block 32 --options '{"xla_cpu_experimental_ynn_fusion_type":
@@ -23,7 +24,10 @@ two devices and SmolLM2's 30 layers.
 `--per-device-programs` also compiles the option set under test as one single-device program per
 device (each on its own copy of the model and its own rows) and runs them from one thread each at
 once, then one after the other: the fault of the section "Eigen's fault between two programs running
-at once" shows in the first and not in the second.
+at once" shows in the first and not in the second. Each device's output of the two runs is also compared
+with the other (`at_once_vs_one_after_another`: the same compiled programs, so any difference is the
+fault, with no reference needed). `--program-layers L0,L1,...` runs only the first Li layers in device
+i's program (0: all), to find which part of each side the fault needs.
 
 `--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
 groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N` sets
@@ -66,6 +70,9 @@ def main() -> None:
     ap.add_argument("--per-device-programs", action="store_true",
                     help="also run the options under test as one single-device program per device, at once and "
                          "one after the other")
+    ap.add_argument("--program-layers", default="",
+                    help="with --per-device-programs: comma-separated layer counts, one per device's program "
+                         "(0: all layers; default: all on every device)")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
@@ -79,6 +86,12 @@ def main() -> None:
         ap.error("--calls must be >= 1, --layers, --rows and --attention-block >= 0")
     if args.per_device_programs and args.cpu_devices == 1:
         ap.error("--per-device-programs needs more than one CPU device (--cpu-devices 0 or >= 2)")
+    try:
+        args.program_layers = [int(n) for n in args.program_layers.split(",")] if args.program_layers else []
+    except ValueError:
+        ap.error(f"--program-layers must be comma-separated integers, got {args.program_layers!r}")
+    if args.program_layers and (not args.per_device_programs or min(args.program_layers) < 0):
+        ap.error("--program-layers needs --per-device-programs and counts >= 0")
     if args.rows % common.REAL["group_size"]:
         ap.error(f"--rows must be a multiple of the group size {common.REAL['group_size']}")
     if not os.path.exists(args.batch_cache):
@@ -118,9 +131,13 @@ def check(args, options: dict | None) -> dict:
     group = workload["group_size"]
     if args.rows:
         batch = {k: np.asarray(v)[:args.rows] for k, v in batch.items()}
-    if args.layers:
-        arrays = LayerStack.arrays
-        LayerStack.arrays = lambda self: {k: v[:args.layers] for k, v in arrays(self).items()}
+    arrays = LayerStack.arrays
+
+    def cut_layers(n):
+        """Makes programs traced from now on run only the first n decoder layers (0: all)."""
+        LayerStack.arrays = (lambda self: {k: v[:n] for k, v in arrays(self).items()}) if n else arrays
+
+    cut_layers(args.layers)
     mesh = parallel.mesh_from_config(config.mesh)
     model = ours_peer.load_policy(workload, config, mesh).model
     if options is None:  # as `UpdateStep.options_for`: no Eigen products where attention may run in blocks
@@ -142,9 +159,11 @@ def check(args, options: dict | None) -> dict:
         fn = jax.jit(hidden, compiler_options=opts or None)
         return lambda: np.asarray(fn(state, ids, mask))
 
-    def compare(got, reference):
-        diff = np.where(positions, np.abs(got - reference).max(axis=-1), 0.0)
-        return {"rows_off": np.nonzero(diff.max(axis=1) > args.tolerance)[0].tolist(), "max_difference": float(diff.max())}
+    def compare(got, reference, where=positions):
+        diff = np.where(where, np.abs(got - reference).max(axis=-1), 0.0)
+        off = np.flatnonzero(diff > args.tolerance)  # response positions, row-major over (row, position)
+        return {"rows_off": np.nonzero(diff.max(axis=1) > args.tolerance)[0].tolist(), "max_difference": float(diff.max()),
+                "positions_off": {"count": int(off.size), "first": int(off[0]), "last": int(off[-1])} if off.size else None}
 
     sharded = parallel.shard_batch(batch, mesh)
     reference = compiled(model, mesh, dict(CPU_UPDATE_COMPILER_OPTIONS), sharded["input_ids"], sharded["attention_mask"])()
@@ -161,6 +180,11 @@ def check(args, options: dict | None) -> dict:
               "devices": jax.device_count(), "host_cpu": common.host_cpu()}
     if args.per_device_programs:
         devices = list(mesh.devices.flat)
+        layers = args.program_layers or [0] * len(devices)
+        if len(layers) != len(devices):
+            print(f"check_update_kernels.py: error: --program-layers names {len(layers)} programs for "
+                  f"{len(devices)} devices", file=sys.stderr)
+            raise SystemExit(2)
         rows = positions.shape[0] // len(devices)  # the data axis holds each device's rows contiguously
         programs = []
         for i, device in enumerate(devices):
@@ -169,7 +193,9 @@ def check(args, options: dict | None) -> dict:
                     for k in ("input_ids", "attention_mask")}
             program = compiled(ours_peer.load_policy(workload, config, mesh1).model, mesh1, options,
                                part["input_ids"], part["attention_mask"])
-            program()  # compiled and run once before the timed forms
+            cut_layers(layers[i] or args.layers)
+            program()  # traced, compiled and run once before the two forms
+            cut_layers(args.layers)
             programs.append(program)
         outputs = [None] * len(programs)
 
@@ -181,11 +207,17 @@ def check(args, options: dict | None) -> dict:
             t.start()
         for t in threads:
             t.join()
-        at_once = compare(np.concatenate(outputs), reference)
+        at_once_outputs = list(outputs)
         for i in range(len(programs)):
             run(i)
-        result["per_device_programs"] = {"at_once": at_once,
-                                         "one_after_another": compare(np.concatenate(outputs), reference)}
+        per_device = {"program_layers": [n or model.config.num_layers for n in layers]}
+        if not args.program_layers:  # the reference holds every layer
+            per_device.update(at_once=compare(np.concatenate(at_once_outputs), reference),
+                              one_after_another=compare(np.concatenate(outputs), reference))
+        per_device["at_once_vs_one_after_another"] = [
+            compare(a, b, positions[i * rows:(i + 1) * rows]) | {"identical": bool(np.array_equal(a, b))}
+            for i, (a, b) in enumerate(zip(at_once_outputs, outputs))]  # rows_off within each device's rows
+        result["per_device_programs"] = per_device
     return result
 
 
