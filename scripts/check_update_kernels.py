@@ -26,7 +26,8 @@ device (each on its own copy of the model and its own rows) and runs them from o
 once, then one after the other: the fault of the section "Eigen's fault between two programs running
 at once" shows in the first and not in the second. Each device's output of the two runs is also compared
 with the other (`at_once_vs_one_after_another`: the same compiled programs, so any difference is the
-fault, with no reference needed). `--program-layers L0,L1,...` runs only the first Li layers in device
+fault, with no reference needed; where they differ, how far the wrong values are from each other device's
+output alone at the same rows and positions). `--program-layers L0,L1,...` runs only the first Li layers in device
 i's program (0: all), to find which part of each side the fault needs.
 
 `--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
@@ -217,6 +218,12 @@ def check(args, options: dict | None) -> dict:
         per_device["at_once_vs_one_after_another"] = [
             compare(a, b, positions[i * rows:(i + 1) * rows]) | {"identical": bool(np.array_equal(a, b))}
             for i, (a, b) in enumerate(zip(at_once_outputs, outputs))]  # rows_off within each device's rows
+        for i, entry in enumerate(per_device["at_once_vs_one_after_another"]):
+            if entry["positions_off"]:  # are the wrong values another device's, at the same row and position?
+                off = positions[i * rows:(i + 1) * rows] & (np.abs(at_once_outputs[i] - outputs[i]).max(-1) > args.tolerance)
+                entry["off_values_vs_other_devices_alone"] = {
+                    str(j): float(np.abs(at_once_outputs[i] - outputs[j])[off].max())
+                    for j in range(len(outputs)) if j != i}
         result["per_device_programs"] = per_device
     return result
 
