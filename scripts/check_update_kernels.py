@@ -211,8 +211,9 @@ def check(args, options: dict | None) -> dict:
         at_once_outputs = list(outputs)
         for i in range(len(programs)):
             run(i)
-        per_device = {"program_layers": [n or model.config.num_layers for n in layers]}
-        if not args.program_layers:  # the reference holds every layer
+        program_layers = [n or args.layers or model.config.num_layers for n in layers]
+        per_device = {"program_layers": program_layers}
+        if all(n == (args.layers or model.config.num_layers) for n in program_layers):  # as the reference
             per_device.update(at_once=compare(np.concatenate(at_once_outputs), reference),
                               one_after_another=compare(np.concatenate(outputs), reference))
         per_device["at_once_vs_one_after_another"] = [
