@@ -5,8 +5,9 @@ LAYERS layers on TOKENS tokens) compiled with Eigen's products and YNNPACK's red
 two threads and then one after the other, three times; prints whether each device's output at once is
 bit-identical to its output alone. BLOCK > 0: the attention is stare_jax's grouped_causal_attention in
 blocks of BLOCK positions, its prompt keys and values random, or with `prompts` those of 81-token prompts
-(one per 8 rows) run through the same layers.
-Usage: python eigen_fault_toy_pair.py [LAYERS [TOKENS [BLOCK [prompts]]]]"""
+(one per 8 rows) run through the same layers; with `rope` the inputs are token ids gathered from a
+[49152, 576] embedding table and q and k turn by stare_jax's apply_rope.
+Usage: python eigen_fault_toy_pair.py [LAYERS [TOKENS [BLOCK [prompts] [rope]]]]"""
 import json, sys, threading, time
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
@@ -18,7 +19,12 @@ L = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 T = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 D, F, QKV = 576, 1536, 960
 BLOCK = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-PROMPTS = len(sys.argv) > 4 and sys.argv[4] == "prompts"  # the prompts through the layers, their keys and values the first key block  # > 0: grouped_causal_attention in blocks of BLOCK
+if T % 2048:
+    print("eigen_fault_toy_pair.py: error: TOKENS must be a multiple of 2048 (rows of 256, groups of 8 rows)",
+          file=sys.stderr)
+    sys.exit(2)
+ROPE = "rope" in sys.argv[4:]  # embedding gather from a [49152, 576] table and RoPE on q and k
+PROMPTS = "prompts" in sys.argv[4:]  # and sys.argv[4] == "prompts"  # the prompts through the layers, their keys and values the first key block  # > 0: grouped_causal_attention in blocks of BLOCK
 _lens = np.random.default_rng(1).integers(1, 257, T // 256); _lens[0] = 28
 VALID = jnp.asarray((np.arange(256)[None] < _lens[:, None]).astype(np.float32))
 
@@ -39,6 +45,11 @@ def layer(carry, p):
     qkv = a @ p["qkv"]
     R = 256
     q = qkv[:, :D].reshape(-1, R, 9, 64)
+    if ROPE:
+        from stare_jax.models.decoder import apply_rope
+        cos, sin = COSSIN
+        q = apply_rope(q, cos, sin)
+        qkv = qkv.at[:, D:D + 192].set(apply_rope(qkv[:, D:D + 192].reshape(-1, R, 3, 64), cos, sin).reshape(-1, 192))
     k = jnp.repeat(qkv[:, D:D + 192].reshape(-1, R, 3, 64), 3, axis=2)
     v = jnp.repeat(qkv[:, D + 192:].reshape(-1, R, 3, 64), 3, axis=2)
     if BLOCK:
@@ -58,6 +69,12 @@ def layer(carry, p):
     return (h + (jax.nn.silu(g) * u) @ p["d"], hp), None
 
 def fwd(params, x, xp):
+    if ROPE:  # x holds token ids here
+        x = jnp.take(params.pop("embed"), x, axis=0)
+        global COSSIN
+        pos = jnp.broadcast_to(jnp.arange(256, dtype=jnp.int32), (x.shape[0] // 256, 256))
+        ang = pos.astype(jnp.float32)[..., None] * (1.0 / 100000.0 ** (jnp.arange(32) / 32.0))
+        COSSIN = (jnp.cos(ang), jnp.sin(ang))
     (h, hp), _ = jax.lax.scan(layer, (x, xp), params)
     return rms(h, jnp.ones((D,), jnp.float32))
 
@@ -71,7 +88,11 @@ devs = jax.devices()
 progs = []
 for i, dev in enumerate(devs):
     p = jax.device_put(params(), dev)
-    x = jax.device_put(rng.standard_normal((T, D)).astype(np.float32), dev)
+    if ROPE:
+        p["embed"] = jax.device_put(rng.standard_normal((49152, D)).astype(np.float32), dev)
+        x = jax.device_put(rng.integers(0, 49152, T).astype(np.int32), dev)
+    else:
+        x = jax.device_put(rng.standard_normal((T, D)).astype(np.float32), dev)
     xp = jax.device_put(rng.standard_normal(((T // 256) // 8 * 81, D)).astype(np.float32), dev)
     f = jax.jit(fwd, compiler_options=OPTS)
     progs.append(lambda f=f, p=p, x=x, xp=xp: np.asarray(f(p, x, xp)))
@@ -93,4 +114,4 @@ for rep in range(3):
         r.append({"identical": bool(np.array_equal(at_once[i], out[i])), "tokens_off": int(off.size),
                   "first": int(off[0]) if off.size else None, "last": int(off[-1]) if off.size else None, "max": float(d.max())})
     res.append({"rep": rep, "at_once_s": round(dt, 2), "devices": r})
-print(json.dumps({"layers": L, "tokens": T, "attention_block": BLOCK, "prompts": PROMPTS, "results": res}))
+print(json.dumps({"layers": L, "tokens": T, "attention_block": BLOCK, "prompts": PROMPTS, "rope": ROPE, "results": res}))
