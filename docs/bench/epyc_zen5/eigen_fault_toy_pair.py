@@ -6,8 +6,9 @@ two threads and then one after the other, three times; prints whether each devic
 bit-identical to its output alone. BLOCK > 0: the attention is stare_jax's grouped_causal_attention in
 blocks of BLOCK positions, its prompt keys and values random, or with `prompts` those of 81-token prompts
 (one per 8 rows) run through the same layers; with `rope` the inputs are token ids gathered from a
-[49152, 576] embedding table and q and k turn by stare_jax's apply_rope.
-Usage: python eigen_fault_toy_pair.py [LAYERS [TOKENS [BLOCK [prompts] [rope]]]]"""
+[49152, 576] embedding table and q and k turn by stare_jax's apply_rope; with `weights` (and `rope`) the
+layers and the embedding are SmolLM2-135M's trained ones from runs/bench_models/smollm2.
+Usage: python eigen_fault_toy_pair.py [LAYERS [TOKENS [BLOCK [prompts] [rope] [weights]]]]"""
 import json, sys, threading, time
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
@@ -78,6 +79,21 @@ def fwd(params, x, xp):
     (h, hp), _ = jax.lax.scan(layer, (x, xp), params)
     return rms(h, jnp.ones((D,), jnp.float32))
 
+WEIGHTS = "weights" in sys.argv[4:]  # SmolLM2's trained weights (runs/bench_models/smollm2, bench_step.py writes it)
+
+
+def trained(L):
+    from safetensors.numpy import load_file
+    w = load_file("runs/bench_models/smollm2/model.safetensors")
+    lay = lambda name: np.stack([w[f"model.layers.{i}.{name}"] for i in range(L)])  # noqa: E731
+    t = lambda name: lay(name).transpose(0, 2, 1)  # noqa: E731  [out, in] -> [in, out]
+    return {"n1": lay("input_layernorm.weight"), "n2": lay("post_attention_layernorm.weight"),
+            "qkv": np.concatenate([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
+                                   t("self_attn.v_proj.weight")], axis=-1),
+            "o": t("self_attn.o_proj.weight"), "g": t("mlp.gate_proj.weight"), "u": t("mlp.up_proj.weight"),
+            "d": t("mlp.down_proj.weight")}, w["model.embed_tokens.weight"]
+
+
 rng = np.random.default_rng(0)
 def params():
     s = lambda *sh: (rng.standard_normal(sh) / np.sqrt(sh[-2])).astype(np.float32)
@@ -87,9 +103,13 @@ def params():
 devs = jax.devices()
 progs = []
 for i, dev in enumerate(devs):
-    p = jax.device_put(params(), dev)
+    p = params()
+    if WEIGHTS:
+        layers, embed = trained(L)
+        p.update(layers)
+    p = jax.device_put(p, dev)
     if ROPE:
-        p["embed"] = jax.device_put(rng.standard_normal((49152, D)).astype(np.float32), dev)
+        p["embed"] = jax.device_put(embed if WEIGHTS else rng.standard_normal((49152, D)).astype(np.float32), dev)
         x = jax.device_put(rng.integers(0, 49152, T).astype(np.int32), dev)
     else:
         x = jax.device_put(rng.standard_normal((T, D)).astype(np.float32), dev)
@@ -114,4 +134,4 @@ for rep in range(3):
         r.append({"identical": bool(np.array_equal(at_once[i], out[i])), "tokens_off": int(off.size),
                   "first": int(off[0]) if off.size else None, "last": int(off[-1]) if off.size else None, "max": float(d.max())})
     res.append({"rep": rep, "at_once_s": round(dt, 2), "devices": r})
-print(json.dumps({"layers": L, "tokens": T, "attention_block": BLOCK, "prompts": PROMPTS, "rope": ROPE, "results": res}))
+print(json.dumps({"layers": L, "tokens": T, "attention_block": BLOCK, "prompts": PROMPTS, "rope": ROPE, "weights": WEIGHTS, "results": res}))
