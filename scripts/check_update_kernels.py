@@ -160,9 +160,13 @@ def check(args, options: dict | None) -> dict:
         fn = jax.jit(hidden, compiler_options=opts or None)
         return lambda: np.asarray(fn(state, ids, mask))
 
+    def differing(got, reference, where):
+        """[rows, R]: the response positions whose hidden states differ by more than the tolerance."""
+        return where & (np.abs(got - reference).max(axis=-1) > args.tolerance)
+
     def compare(got, reference, where=positions):
         diff = np.where(where, np.abs(got - reference).max(axis=-1), 0.0)
-        off = np.flatnonzero(diff > args.tolerance)  # response positions, row-major over (row, position)
+        off = np.flatnonzero(differing(got, reference, where))  # row-major over (row, position)
         return {"rows_off": np.nonzero(diff.max(axis=1) > args.tolerance)[0].tolist(), "max_difference": float(diff.max()),
                 "positions_off": {"count": int(off.size), "first": int(off[0]), "last": int(off[-1])} if off.size else None}
 
@@ -216,15 +220,15 @@ def check(args, options: dict | None) -> dict:
         if all(n == (args.layers or model.config.num_layers) for n in program_layers):  # as the reference
             per_device.update(at_once=compare(np.concatenate(at_once_outputs), reference),
                               one_after_another=compare(np.concatenate(outputs), reference))
-        per_device["at_once_vs_one_after_another"] = [
-            compare(a, b, positions[i * rows:(i + 1) * rows]) | {"identical": bool(np.array_equal(a, b))}
-            for i, (a, b) in enumerate(zip(at_once_outputs, outputs))]  # rows_off within each device's rows
-        for i, entry in enumerate(per_device["at_once_vs_one_after_another"]):
-            if entry["positions_off"]:  # are the wrong values another device's, at the same row and position?
-                off = positions[i * rows:(i + 1) * rows] & (np.abs(at_once_outputs[i] - outputs[i]).max(-1) > args.tolerance)
+        per_device["at_once_vs_one_after_another"] = []
+        for i, (a, b) in enumerate(zip(at_once_outputs, outputs)):  # rows_off within each device's rows
+            where = positions[i * rows:(i + 1) * rows]
+            entry = compare(a, b, where) | {"identical": bool(np.array_equal(a, b))}
+            off = differing(a, b, where)
+            if off.any():  # are the wrong values another device's, at the same row and position?
                 entry["off_values_vs_other_devices_alone"] = {
-                    str(j): float(np.abs(at_once_outputs[i] - outputs[j])[off].max())
-                    for j in range(len(outputs)) if j != i}
+                    str(j): float(np.abs(a - outputs[j])[off].max()) for j in range(len(outputs)) if j != i}
+            per_device["at_once_vs_one_after_another"].append(entry)
         result["per_device_programs"] = per_device
     return result
 
