@@ -33,7 +33,9 @@ i's program (0: all), to find which part of each side the fault needs.
 `--layers N` runs only the first N layers, `--rows N` only the first N rows of the batch (whole
 groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N` sets
 `model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81, its responses of
-up to 256 positions in `grouped_causal_attention`'s blocks when N is below their length).
+up to 256 positions in `grouped_causal_attention`'s blocks when N is below their length),
+`--unrolled-layers` unrolls the layers (`model.scan_layers = False`: no loop carries the hidden states
+from one layer to the next).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--program-layers", default="",
                     help="with --per-device-programs: comma-separated layer counts, one per device's program "
                          "(0: all layers; default: all on every device)")
+    ap.add_argument("--unrolled-layers", action="store_true",
+                    help="model.scan_layers = False: the layers unrolled into one program, no while loop over them")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
     ap.add_argument("--batch-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_update_batch.pkl"))
     args = ap.parse_args()
@@ -116,6 +120,8 @@ def check(args, options: dict | None) -> dict:
     config = ours_peer.bench_config(workload)
     if args.attention_block is not None:
         config.model.attention_block = args.attention_block
+    if args.unrolled_layers:
+        config.model.scan_layers = False
     from stare_jax import distributed, parallel
     distributed.initialize(config)
     import threading
@@ -181,7 +187,7 @@ def check(args, options: dict | None) -> dict:
         calls[-1]["equals_first_call"] = bool(np.array_equal(got, first))
     result = {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
               "rows": int(positions.shape[0]), "layers": args.layers or model.config.num_layers,
-              "attention_block": model.attention_block,
+              "attention_block": model.attention_block, "scan_layers": config.model.scan_layers,
               "devices": jax.device_count(), "host_cpu": common.host_cpu()}
     if args.per_device_programs:
         devices = list(mesh.devices.flat)
