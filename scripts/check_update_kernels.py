@@ -97,6 +97,11 @@ def main() -> None:
         ap.error(f"--program-layers must be comma-separated integers, got {args.program_layers!r}")
     if args.program_layers and (not args.per_device_programs or min(args.program_layers) < 0):
         ap.error("--program-layers needs --per-device-programs and counts >= 0")
+    if args.program_layers:
+        from stare_jax.distributed import cpu_devices_per_core
+        devices = args.cpu_devices or cpu_devices_per_core(common.REAL["num_prompts"])
+        if len(args.program_layers) != devices:
+            ap.error(f"--program-layers names {len(args.program_layers)} programs for {devices} devices")
     if args.rows % common.REAL["group_size"]:
         ap.error(f"--rows must be a multiple of the group size {common.REAL['group_size']}")
     if not os.path.exists(args.batch_cache):
@@ -185,17 +190,14 @@ def check(args, options: dict | None) -> dict:
         calls.append(compare(got, reference))
         first = got if first is None else first
         calls[-1]["equals_first_call"] = bool(np.array_equal(got, first))
+    all_layers = args.layers or model.config.num_layers  # what the reference and the calls ran
     result = {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
-              "rows": int(positions.shape[0]), "layers": args.layers or model.config.num_layers,
+              "rows": int(positions.shape[0]), "layers": all_layers,
               "attention_block": model.attention_block, "scan_layers": config.model.scan_layers,
               "devices": jax.device_count(), "host_cpu": common.host_cpu()}
     if args.per_device_programs:
         devices = list(mesh.devices.flat)
-        layers = args.program_layers or [0] * len(devices)
-        if len(layers) != len(devices):
-            print(f"check_update_kernels.py: error: --program-layers names {len(layers)} programs for "
-                  f"{len(devices)} devices", file=sys.stderr)
-            raise SystemExit(2)
+        layers = args.program_layers or [0] * len(devices)  # as many as devices (checked in main)
         rows = positions.shape[0] // len(devices)  # the data axis holds each device's rows contiguously
         programs = []
         for i, device in enumerate(devices):
@@ -221,9 +223,9 @@ def check(args, options: dict | None) -> dict:
         at_once_outputs = list(outputs)
         for i in range(len(programs)):
             run(i)
-        program_layers = [n or args.layers or model.config.num_layers for n in layers]
+        program_layers = [n or all_layers for n in layers]
         per_device = {"program_layers": program_layers}
-        if all(n == (args.layers or model.config.num_layers) for n in program_layers):  # as the reference
+        if all(n == all_layers for n in program_layers):  # as the reference
             per_device.update(at_once=compare(np.concatenate(at_once_outputs), reference),
                               one_after_another=compare(np.concatenate(outputs), reference))
         per_device["at_once_vs_one_after_another"] = []
