@@ -34,7 +34,8 @@ i's program (0: all), to find which part of each side the fault needs.
 groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N` sets
 `model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81, its responses of
 up to 256 positions in `grouped_causal_attention`'s blocks when N is below their length),
-`--unrolled-layers` unrolls the layers (`model.scan_layers = False`: no loop carries the hidden states
+`--response-positions N` keeps only the first N response positions of every row (a shorter
+[rows x N] response layout), `--unrolled-layers` unrolls the layers (`model.scan_layers = False`: no loop carries the hidden states
 from one layer to the next).
 """
 
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--program-layers", default="",
                     help="with --per-device-programs: comma-separated layer counts, one per device's program "
                          "(0: all layers; default: all on every device)")
+    ap.add_argument("--response-positions", type=int, default=0,
+                    help="keep only the first N response positions of every row (0: all 256)")
     ap.add_argument("--unrolled-layers", action="store_true",
                     help="model.scan_layers = False: the layers unrolled into one program, no while loop over them")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
@@ -102,6 +105,8 @@ def main() -> None:
         devices = args.cpu_devices or cpu_devices_per_core(common.REAL["num_prompts"])
         if len(args.program_layers) != devices:
             ap.error(f"--program-layers names {len(args.program_layers)} programs for {devices} devices")
+    if not 0 <= args.response_positions <= common.REAL["new_tokens"]:
+        ap.error(f"--response-positions must be between 0 and {common.REAL['new_tokens']}")
     if args.rows % common.REAL["group_size"]:
         ap.error(f"--rows must be a multiple of the group size {common.REAL['group_size']}")
     if not os.path.exists(args.batch_cache):
@@ -143,6 +148,10 @@ def check(args, options: dict | None) -> dict:
     group = workload["group_size"]
     if args.rows:
         batch = {k: np.asarray(v)[:args.rows] for k, v in batch.items()}
+    if args.response_positions:  # the first N response positions: [rows, P + R] -> [rows, P + N], [rows, R] -> [rows, N]
+        cut = np.shape(batch["input_ids"])[1] - np.shape(batch["response_mask"])[1] + args.response_positions
+        batch = {k: np.asarray(v)[:, :cut] if k in ("input_ids", "attention_mask") else
+                 np.asarray(v)[:, :args.response_positions] if np.ndim(v) == 2 else np.asarray(v) for k, v in batch.items()}
     arrays = LayerStack.arrays
 
     def cut_layers(n):
@@ -194,6 +203,7 @@ def check(args, options: dict | None) -> dict:
     result = {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
               "rows": int(positions.shape[0]), "layers": all_layers,
               "attention_block": model.attention_block, "scan_layers": config.model.scan_layers,
+              "response_positions": R,
               "devices": jax.device_count(), "host_cpu": common.host_cpu()}
     if args.per_device_programs:
         devices = list(mesh.devices.flat)

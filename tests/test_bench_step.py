@@ -785,7 +785,8 @@ def test_bench_update_keeps_its_programs_in_the_compilation_cache(tmp_path):
 def test_check_update_kernels_refuses_bad_input(tmp_path):
     """`scripts/check_update_kernels.py` exits 2 with one line for options that are not a JSON
     object, a negative attention block, per-device programs on one device, layer counts per program
-    without per-device programs, not integers or not one a device, and a missing batch cache (it names the command that
+    without per-device programs, not integers or not one a device, more response positions than the
+    batch's 256, and a missing batch cache (it names the command that
     writes it)."""
     script = os.path.join(ROOT, "scripts", "check_update_kernels.py")
     bad = subprocess.run([sys.executable, script, "--options", "[1]"], cwd=ROOT, env=subprocess_env(1),
@@ -803,7 +804,8 @@ def test_check_update_kernels_refuses_bad_input(tmp_path):
     for flags, message in ((["--program-layers", "4,0"], "--program-layers needs --per-device-programs"),
                            (["--per-device-programs", "--program-layers", "4,x"], "comma-separated integers"),
                            (["--per-device-programs", "--cpu-devices", "2", "--program-layers", "4,4,4"],
-                            "names 3 programs for 2 devices")):
+                            "names 3 programs for 2 devices"),
+                           (["--response-positions", "257"], "--response-positions must be between 0 and 256")):
         cut = subprocess.run([sys.executable, script, *flags], cwd=ROOT, env=subprocess_env(1),
                              capture_output=True, text=True, timeout=120)
         assert cut.returncode == 2 and message in cut.stderr
