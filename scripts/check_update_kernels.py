@@ -35,8 +35,12 @@ groups of 8), `--cpu-devices 1` one device with every core, `--attention-block N
 `model.attention_block` (the batch's 81-token prompts attend in blocks when N < 81, its responses of
 up to 256 positions in `grouped_causal_attention`'s blocks when N is below their length),
 `--response-positions N` keeps only the first N response positions of every row (a shorter
-[rows x N] response layout), `--unrolled-layers` unrolls the layers (`model.scan_layers = False`: no loop carries the hidden states
-from one layer to the next).
+[rows x N] response layout), `--ungrouped` runs the forward of whole sequences
+(`ppo.share_prompt = false`: each row's prompt again before its response, `Decoder.hidden_states`,
+causal attention in blocks of the whole sequence when it is longer than the block),
+`--full-masks` makes every position a real token (no left padding, no masked key),
+`--unrolled-layers` unrolls the layers (`model.scan_layers = False`: no loop carries the hidden
+states from one layer to the next).
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def main() -> None:
                          "(0: all layers; default: all on every device)")
     ap.add_argument("--response-positions", type=int, default=0,
                     help="keep only the first N response positions of every row (0: all 256)")
+    ap.add_argument("--ungrouped", action="store_true",
+                    help="the forward of whole sequences (ppo.share_prompt = false): every row's prompt and response "
+                         "as one sequence, plain causal attention")
+    ap.add_argument("--full-masks", action="store_true",
+                    help="every position a real token (attention and response masks all ones; no left padding)")
     ap.add_argument("--unrolled-layers", action="store_true",
                     help="model.scan_layers = False: the layers unrolled into one program, no while loop over them")
     ap.add_argument("--model-cache", default=os.path.join(os.path.dirname(HERE), "runs", "bench_models"))
@@ -140,7 +149,7 @@ def check(args, options: dict | None) -> dict:
     import numpy as np
     from flax import nnx
 
-    from stare_jax.models.decoder import LayerStack
+    from stare_jax.models.decoder import LayerStack, positions_from_mask
     from stare_jax.rl.update import CPU_UPDATE_COMPILER_OPTIONS, _group_prompts, cpu_update_compiler_options
 
     with open(args.batch_cache, "rb") as f:
@@ -148,6 +157,9 @@ def check(args, options: dict | None) -> dict:
     group = workload["group_size"]
     if args.rows:
         batch = {k: np.asarray(v)[:args.rows] for k, v in batch.items()}
+    if args.full_masks:  # the padding's token ids become real tokens: no masked key anywhere
+        batch = dict(batch, attention_mask=np.ones_like(batch["attention_mask"]),
+                     response_mask=np.ones_like(batch["response_mask"]))
     if args.response_positions:  # the first N response positions: [rows, P + R] -> [rows, P + N], [rows, R] -> [rows, N]
         cut = np.shape(batch["input_ids"])[1] - np.shape(batch["response_mask"])[1] + args.response_positions
         batch = {k: np.asarray(v)[:, :cut] if k in ("input_ids", "attention_mask") else
@@ -174,6 +186,8 @@ def check(args, options: dict | None) -> dict:
         def hidden(state, ids, mask):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 m = nnx.merge(graphdef, state)
+                if args.ungrouped:  # every row's prompt again, the response positions' hidden states
+                    return m.hidden_states(ids, positions_from_mask(mask), mask)[0][:, -R:]
                 prompts = lambda x: _group_prompts(x, group_size=group, prompt_len=ids.shape[1] - R)  # noqa: E731
                 return m.grouped_hidden_states(prompts(ids), prompts(mask), ids[:, -R:], mask[:, -R:])[1]
 
@@ -203,7 +217,7 @@ def check(args, options: dict | None) -> dict:
     result = {"options": options, "reference_options": CPU_UPDATE_COMPILER_OPTIONS, "calls": calls,
               "rows": int(positions.shape[0]), "layers": all_layers,
               "attention_block": model.attention_block, "scan_layers": config.model.scan_layers,
-              "response_positions": R,
+              "response_positions": R, "grouped": not args.ungrouped, "full_masks": args.full_masks,
               "devices": jax.device_count(), "host_cpu": common.host_cpu()}
     if args.per_device_programs:
         devices = list(mesh.devices.flat)
