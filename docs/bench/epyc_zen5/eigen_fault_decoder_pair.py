@@ -12,7 +12,7 @@ row a left-padded prompt of PROMPT positions and a response of a random length, 
 has (the rest of the row padding: masked keys).
 
     python docs/bench/epyc_zen5/eigen_fault_decoder_pair.py [--rows 32] [--length 337] [--block 128]
-        [--layers N] [--random-weights] [--lengths] [--runs 1] [--seed 0] [--plain-options]
+        [--layers N] [--cut mlp|norm|residual|rope ...] [--random-weights] [--lengths] [--runs 1] [--seed 0] [--plain-options]
         [--dump-hlo FILE]
 """
 import argparse
@@ -23,6 +23,9 @@ import threading
 
 OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE",
            "xla_disable_hlo_passes": "tree_reduction_rewriter"}
+CUTS = {"mlp": "no MLP half (x passes through)", "norm": "no RMS norms (identity, weights unused)",
+        "residual": "the attention's output replaces the residual stream (no skip connection)",
+        "rope": "no rotary embedding (q and k as projected)"}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -32,6 +35,8 @@ def main():
     ap.add_argument("--length", type=int, default=337, help="positions a row (the update batch's 81 + 256)")
     ap.add_argument("--block", type=int, default=128, help="model.attention_block (0: the whole score matrix)")
     ap.add_argument("--layers", type=int, default=0, help="only the first N decoder layers (0: all 30)")
+    ap.add_argument("--cut", action="append", default=[], choices=sorted(CUTS),
+                    help="leave a part out of every layer (repeatable): " + "; ".join(f"{k}: {v}" for k, v in CUTS.items()))
     ap.add_argument("--random-weights", action="store_true")
     ap.add_argument("--lengths", action="store_true", help="left-padded 81-position prompts, random response lengths")
     ap.add_argument("--runs", type=int, default=1)
@@ -54,6 +59,17 @@ def main():
     from stare_jax.models import from_pretrained
     from stare_jax.models.decoder import LayerStack, positions_from_mask
 
+    import stare_jax.models.decoder as decoder
+
+    if "mlp" in args.cut:  # diagnostic cuts: the module's functions replaced before anything is traced
+        decoder.mlp_residual = lambda cfg, p, x, dtype: x
+    if "norm" in args.cut:
+        decoder.rms_norm = lambda x, w, eps: x
+    if "residual" in args.cut:
+        residual = decoder.attention_residual
+        decoder.attention_residual = lambda p, x, attn, dtype: residual(p, x, attn, dtype) - x
+    if "rope" in args.cut:
+        decoder.apply_rope = lambda x, cos, sin: x
     if args.layers:  # programs traced from here run only the first N layers of the stack
         arrays = LayerStack.arrays
         LayerStack.arrays = lambda self: {k: v[:args.layers] for k, v in arrays(self).items()}
@@ -109,10 +125,11 @@ def main():
         for (a, b), (_, valid) in zip(zip(at_once, alone), programs):
             diff = np.where(valid, np.abs(a - b).max(-1), 0.0)
             off = diff > 1e-3
-            devices.append({"identical": bool(np.array_equal(a, b)), "rows_off": np.nonzero(off.any(1))[0].tolist(),
+            devices.append({"identical": bool(np.array_equal(a, b)), "finite": bool(np.isfinite(a).all() and np.isfinite(b).all()),
+                            "rows_off": np.nonzero(off.any(1))[0].tolist(),
                             "positions_off": int(off.sum()), "max_difference": float(diff.max())})
         print(json.dumps({"run": run, "rows": args.rows, "length": args.length, "block": args.block,
-                          "layers": args.layers or model.config.num_layers,
+                          "layers": args.layers or model.config.num_layers, "cut": args.cut,
                           "random_weights": args.random_weights, "lengths": args.lengths,
                           "options": None if args.plain_options else OPTIONS, "devices": devices}), flush=True)
 
