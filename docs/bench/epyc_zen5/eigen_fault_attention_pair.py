@@ -8,7 +8,7 @@ decoder-alone script's `--cut mlp --cut norm --cut rope` form written out, with 
 `blockwise_attention.causal_attention` (plain JAX) imported.
 
     python docs/bench/epyc_zen5/eigen_fault_attention_pair.py [--rows 64] [--length 337] [--block 128]
-        [--layers 30] [--runs 2] [--plain-options]
+        [--layers 30] [--runs 2] [--plain-options] [--attention stare|inline|no-softmax|scores-only|values-only]
 """
 import argparse
 import json
@@ -28,6 +28,12 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain-options", action="store_true", help="XLA's defaults (the control)")
+    ap.add_argument("--attention", default="stare", choices=("stare", "inline", "no-softmax", "scores-only", "values-only"),
+                    help="stare: blockwise_attention.causal_attention; inline: the same forward written out here (a scan "
+                         "over query blocks, a fori_loop over key blocks, online softmax); no-softmax: acc += (q k^T) v "
+                         "in the same loops; scores-only: the loops keep only the scores product (acc += s summed); "
+                         "values-only: only the product with the values, of q_i repeated to C columns in place of the "
+                         "scores (acc += [q_i q_i ...] v_j)")
     args = ap.parse_args()
     if min(args.rows, args.length, args.block, args.layers, args.runs) < 1:
         ap.error("every count must be >= 1")
@@ -40,6 +46,43 @@ def main():
 
     from stare_jax.models.blockwise_attention import causal_attention
 
+    def inline_attention(q, k, v, C, mode):
+        """[B, T, H, hd] -> [B, T, H, hd]: causal attention in blocks of C, one product per (row, KV head)."""
+        B, T, _, _ = q.shape
+        Q, nb = H // K, -(-T // C)
+        pad = lambda a: jnp.pad(a, ((0, 0), (0, nb * C - T), (0, 0), (0, 0)))  # noqa: E731
+        qh = pad(q).reshape(B, nb, C, K, Q, HD).transpose(1, 0, 3, 4, 2, 5).reshape(nb, B, K, Q * C, HD)
+        kh = pad(k).reshape(B, nb, C, K, HD).transpose(1, 0, 3, 2, 4)
+        vh = pad(v).reshape(B, nb, C, K, HD).transpose(1, 0, 3, 2, 4)
+        query_pos = jnp.tile(jnp.arange(C), Q)
+
+        def query_block(_, xs):
+            i, q_i = xs
+
+            def key_block(j, carry):
+                m, l, acc = carry
+                if mode == "values-only":
+                    return m, l, acc + jnp.einsum("bkms,bksd->bkmd", jnp.tile(q_i, (1, 1, 1, -(-C // HD)))[..., :C], vh[j])
+                s = jnp.einsum("bkmd,bksd->bkms", q_i, kh[j]) * HD ** -0.5
+                if mode == "scores-only":
+                    return m, l, acc + s.sum(-1, keepdims=True)
+                if mode == "no-softmax":
+                    return m, l, acc + jnp.einsum("bkms,bksd->bkmd", s, vh[j])
+                allowed = (j * C + jnp.arange(C))[None, :] <= (i * C + query_pos)[:, None]
+                s = jnp.where(allowed, s, -1e30)
+                m_new = jnp.maximum(m, s.max(-1))
+                e = jnp.exp(s - m_new[..., None])
+                corr = jnp.exp(m - m_new)
+                return m_new, l * corr + e.sum(-1), acc * corr[..., None] + jnp.einsum("bkms,bksd->bkmd", e, vh[j])
+
+            init = (jnp.full((B, K, Q * C), -jnp.inf), jnp.zeros((B, K, Q * C)), jnp.zeros((B, K, Q * C, HD)))
+            m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+            # the cut modes' sums grow without a softmax's normalisation: tanh keeps 30 layers finite
+            return None, acc / jnp.maximum(l, 1.0)[..., None] if mode == "inline" else jnp.tanh(acc)
+
+        _, o = jax.lax.scan(query_block, None, (jnp.arange(nb), qh))
+        return o.reshape(nb, B, K, Q, C, HD).transpose(1, 0, 4, 2, 3, 5).reshape(B, nb * C, H, HD)[:, :T]
+
     def forward(w_qkv, w_o, x):
         valid = jnp.ones(x.shape[:2], jnp.float32)
 
@@ -49,7 +92,10 @@ def main():
             q = qkv[..., :H * HD].reshape(B, T, H, HD)
             k = qkv[..., H * HD:(H + K) * HD].reshape(B, T, K, HD)
             v = qkv[..., (H + K) * HD:].reshape(B, T, K, HD)
-            attn = causal_attention(q, k, v, valid, args.block)
+            if args.attention == "stare":
+                attn = causal_attention(q, k, v, valid, args.block)
+            else:
+                attn = inline_attention(q, k, v, args.block, args.attention)
             return x + attn.reshape(B, T, H * HD) @ w[1], None
 
         return jax.lax.scan(layer, x, (w_qkv, w_o))[0]
@@ -84,7 +130,7 @@ def main():
                             "rows_off": np.nonzero((diff > 1e-3).any(1))[0].tolist(),
                             "positions_off": int((diff > 1e-3).sum()), "max_difference": float(diff.max())})
         print(json.dumps({"run": run, "rows": args.rows, "length": args.length, "block": args.block,
-                          "layers": args.layers, "options": None if args.plain_options else OPTIONS,
+                          "layers": args.layers, "attention": args.attention, "options": None if args.plain_options else OPTIONS,
                           "devices": devices}), flush=True)
 
 
