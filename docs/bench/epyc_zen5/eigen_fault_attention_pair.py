@@ -9,6 +9,7 @@ decoder-alone script's `--cut mlp --cut norm --cut rope` form written out, with 
 
     python docs/bench/epyc_zen5/eigen_fault_attention_pair.py [--rows 64] [--length 337] [--block 128]
         [--layers 30] [--runs 2] [--plain-options] [--attention stare|inline|no-softmax|scores-only|values-only]
+        [--loops scan|static-keys|query-unrolled|unrolled] [--unroll-layers]
 """
 import argparse
 import json
@@ -28,6 +29,12 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain-options", action="store_true", help="XLA's defaults (the control)")
+    ap.add_argument("--unroll-layers", action="store_true", help="a Python loop over the layers instead of lax.scan")
+    ap.add_argument("--loops", default="scan", choices=("scan", "static-keys", "query-unrolled", "unrolled"),
+                    help="the written-out attention's loops: scan (a scan over query blocks, a fori_loop over key "
+                         "blocks 0..i), static-keys (the key loop over every block, a trip count known at compile "
+                         "time), query-unrolled (a Python loop over the query blocks, each with its fori_loop over key blocks 0..i), "
+                         "unrolled (both as Python loops over the blocks at or below the diagonal)")
     ap.add_argument("--attention", default="stare", choices=("stare", "inline", "no-softmax", "scores-only", "values-only"),
                     help="stare: blockwise_attention.causal_attention; inline: the same forward written out here (a scan "
                          "over query blocks, a fori_loop over key blocks, online softmax); no-softmax: acc += (q k^T) v "
@@ -76,11 +83,20 @@ def main():
                 return m_new, l * corr + e.sum(-1), acc * corr[..., None] + jnp.einsum("bkms,bksd->bkmd", e, vh[j])
 
             init = (jnp.full((B, K, Q * C), -jnp.inf), jnp.zeros((B, K, Q * C)), jnp.zeros((B, K, Q * C, HD)))
-            m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+            if args.loops == "unrolled":  # i is a Python int here
+                carry = init
+                for j in range(i + 1):
+                    carry = key_block(j, carry)
+                m, l, acc = carry
+            else:
+                m, l, acc = jax.lax.fori_loop(0, nb if args.loops == "static-keys" else i + 1, key_block, init)
             # the cut modes' sums grow without a softmax's normalisation: tanh keeps 30 layers finite
             return None, acc / jnp.maximum(l, 1.0)[..., None] if mode == "inline" else jnp.tanh(acc)
 
-        _, o = jax.lax.scan(query_block, None, (jnp.arange(nb), qh))
+        if args.loops in ("unrolled", "query-unrolled"):
+            o = jnp.stack([query_block(None, (i, qh[i]))[1] for i in range(nb)])
+        else:
+            _, o = jax.lax.scan(query_block, None, (jnp.arange(nb), qh))
         return o.reshape(nb, B, K, Q, C, HD).transpose(1, 0, 4, 2, 3, 5).reshape(B, nb * C, H, HD)[:, :T]
 
     def forward(w_qkv, w_o, x):
@@ -98,6 +114,10 @@ def main():
                 attn = inline_attention(q, k, v, args.block, args.attention)
             return x + attn.reshape(B, T, H * HD) @ w[1], None
 
+        if args.unroll_layers:
+            for n in range(w_qkv.shape[0]):
+                x = layer(x, (w_qkv[n], w_o[n]))[0]
+            return x
         return jax.lax.scan(layer, x, (w_qkv, w_o))[0]
 
     rng = np.random.default_rng(args.seed)
@@ -130,7 +150,8 @@ def main():
                             "rows_off": np.nonzero((diff > 1e-3).any(1))[0].tolist(),
                             "positions_off": int((diff > 1e-3).sum()), "max_difference": float(diff.max())})
         print(json.dumps({"run": run, "rows": args.rows, "length": args.length, "block": args.block,
-                          "layers": args.layers, "attention": args.attention, "options": None if args.plain_options else OPTIONS,
+                          "layers": args.layers, "attention": args.attention,
+                          "loops": args.loops, "unroll_layers": args.unroll_layers, "options": None if args.plain_options else OPTIONS,
                           "devices": devices}), flush=True)
 
 
