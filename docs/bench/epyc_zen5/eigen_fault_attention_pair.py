@@ -9,7 +9,8 @@ decoder-alone script's `--cut mlp --cut norm --cut rope` form written out, with 
 
     python docs/bench/epyc_zen5/eigen_fault_attention_pair.py [--rows 64] [--length 337] [--block 128]
         [--layers 30] [--runs 2] [--plain-options] [--attention stare|inline|no-softmax|scores-only|values-only]
-        [--loops scan|static-keys|query-unrolled|unrolled] [--unroll-layers]
+        [--loops scan|static-keys|query-unrolled|unrolled] [--unroll-layers] [--device1-plain]
+        [--same-device]
 """
 import argparse
 import json
@@ -29,6 +30,10 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain-options", action="store_true", help="XLA's defaults (the control)")
+    ap.add_argument("--device1-plain", action="store_true",
+                    help="device 1's program compiled with XLA's defaults (device 0's with Eigen's products)")
+    ap.add_argument("--same-device", action="store_true",
+                    help="one CPU device, both programs on it (two executions at once on one device)")
     ap.add_argument("--unroll-layers", action="store_true", help="a Python loop over the layers instead of lax.scan")
     ap.add_argument("--loops", default="scan", choices=("scan", "static-keys", "query-unrolled", "unrolled"),
                     help="the written-out attention's loops: scan (a scan over query blocks, a fori_loop over key "
@@ -47,7 +52,7 @@ def main():
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_num_cpu_devices", 1 if args.same_device else 2)
     import jax.numpy as jnp
     import numpy as np
 
@@ -122,12 +127,13 @@ def main():
 
     rng = np.random.default_rng(args.seed)
     programs = []
-    for device in jax.devices()[:2]:
+    for n, device in enumerate([jax.devices()[0]] * 2 if args.same_device else jax.devices()[:2]):
         put = lambda a: jax.device_put(a.astype(np.float32), device)  # noqa: E731
         w_qkv = put(0.02 * rng.standard_normal((args.layers, D, (H + 2 * K) * HD)))
         w_o = put(0.02 * rng.standard_normal((args.layers, H * HD, D)))
         x = put(rng.standard_normal((args.rows, args.length, D)))
-        fn = jax.jit(forward, compiler_options=None if args.plain_options else OPTIONS)
+        plain = args.plain_options or (args.device1_plain and n == 1)
+        fn = jax.jit(forward, compiler_options=None if plain else OPTIONS)
         programs.append(lambda fn=fn, w_qkv=w_qkv, w_o=w_o, x=x: np.asarray(fn(w_qkv, w_o, x)))
         programs[-1]()  # compiled and run once
 
@@ -151,7 +157,8 @@ def main():
                             "positions_off": int((diff > 1e-3).sum()), "max_difference": float(diff.max())})
         print(json.dumps({"run": run, "rows": args.rows, "length": args.length, "block": args.block,
                           "layers": args.layers, "attention": args.attention,
-                          "loops": args.loops, "unroll_layers": args.unroll_layers, "options": None if args.plain_options else OPTIONS,
+                          "loops": args.loops, "unroll_layers": args.unroll_layers,
+                          "device1_plain": args.device1_plain, "same_device": args.same_device, "options": None if args.plain_options else OPTIONS,
                           "devices": devices}), flush=True)
 
 
