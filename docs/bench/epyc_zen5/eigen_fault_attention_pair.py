@@ -10,7 +10,7 @@ decoder-alone script's `--cut mlp --cut norm --cut rope` form written out, with 
     python docs/bench/epyc_zen5/eigen_fault_attention_pair.py [--rows 64] [--length 337] [--block 128]
         [--layers 30] [--runs 2] [--plain-options] [--attention stare|inline|no-softmax|scores-only|values-only]
         [--loops scan|static-keys|query-unrolled|unrolled] [--unroll-layers] [--device1-plain]
-        [--same-device]
+        [--same-device] [--options JSON]
 """
 import argparse
 import json
@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain-options", action="store_true", help="XLA's defaults (the control)")
+    ap.add_argument("--options", default="", help="a JSON object of XLA options in place of OPTIONS")
     ap.add_argument("--device1-plain", action="store_true",
                     help="device 1's program compiled with XLA's defaults (device 0's with Eigen's products)")
     ap.add_argument("--same-device", action="store_true",
@@ -49,6 +50,14 @@ def main():
     args = ap.parse_args()
     if min(args.rows, args.length, args.block, args.layers, args.runs) < 1:
         ap.error("every count must be >= 1")
+    options = OPTIONS
+    if args.options:
+        try:
+            options = json.loads(args.options)
+        except ValueError as e:
+            ap.error(f"--options: not JSON: {e}")
+        if not isinstance(options, dict):
+            ap.error("--options must be a JSON object")
 
     import jax
 
@@ -133,7 +142,7 @@ def main():
         w_o = put(0.02 * rng.standard_normal((args.layers, H * HD, D)))
         x = put(rng.standard_normal((args.rows, args.length, D)))
         plain = args.plain_options or (args.device1_plain and n == 1)
-        fn = jax.jit(forward, compiler_options=None if plain else OPTIONS)
+        fn = jax.jit(forward, compiler_options=None if plain else options)
         programs.append(lambda fn=fn, w_qkv=w_qkv, w_o=w_o, x=x: np.asarray(fn(w_qkv, w_o, x)))
         programs[-1]()  # compiled and run once
 
@@ -158,7 +167,7 @@ def main():
         print(json.dumps({"run": run, "rows": args.rows, "length": args.length, "block": args.block,
                           "layers": args.layers, "attention": args.attention,
                           "loops": args.loops, "unroll_layers": args.unroll_layers,
-                          "device1_plain": args.device1_plain, "same_device": args.same_device, "options": None if args.plain_options else OPTIONS,
+                          "device1_plain": args.device1_plain, "same_device": args.same_device, "options": None if args.plain_options else options,
                           "devices": devices}), flush=True)
 
 
