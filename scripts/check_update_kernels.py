@@ -160,10 +160,11 @@ def check(args, options: dict | None) -> dict:
     if args.full_masks:  # the padding's token ids become real tokens: no masked key anywhere
         batch = dict(batch, attention_mask=np.ones_like(batch["attention_mask"]),
                      response_mask=np.ones_like(batch["response_mask"]))
-    if args.response_positions:  # the first N response positions: [rows, P + R] -> [rows, P + N], [rows, R] -> [rows, N]
-        cut = np.shape(batch["input_ids"])[1] - np.shape(batch["response_mask"])[1] + args.response_positions
-        batch = {k: np.asarray(v)[:, :cut] if k in ("input_ids", "attention_mask") else
-                 np.asarray(v)[:, :args.response_positions] if np.ndim(v) == 2 else np.asarray(v) for k, v in batch.items()}
+    if args.response_positions:  # every row's prompt and its first N response positions (the forward reads no more)
+        end = np.shape(batch["input_ids"])[1] - np.shape(batch["response_mask"])[1] + args.response_positions
+        batch = {"input_ids": np.asarray(batch["input_ids"])[:, :end],
+                 "attention_mask": np.asarray(batch["attention_mask"])[:, :end],
+                 "response_mask": np.asarray(batch["response_mask"])[:, :args.response_positions]}
     arrays = LayerStack.arrays
 
     def cut_layers(n):

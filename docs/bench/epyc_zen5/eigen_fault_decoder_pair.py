@@ -85,7 +85,7 @@ def main():
             new = [np.ones(x.shape, np.float32) + 0.1 * rng.standard_normal(x.shape).astype(np.float32)
                    if "norm" in jax.tree_util.keystr(p) else 0.02 * rng.standard_normal(x.shape).astype(np.float32)
                    for p, x in leaves]
-            state = jax.tree.unflatten(tree, [jax.device_put(n, x.sharding) for n, x in zip(new, [x for _, x in leaves])])
+            state = jax.tree.unflatten(tree, [jax.device_put(n, x.sharding) for n, (_, x) in zip(new, leaves)])
         vocab = model.config.vocab_size
         ids = rng.integers(0, vocab, (args.rows, args.length)).astype(np.int32)
         mask = np.ones_like(ids)
