@@ -4,8 +4,10 @@ LENGTH positions of width 576 (9 query heads, 3 KV heads of 64), random weights 
 single-device program per CPU device with Eigen's products and YNNPACK's reductions, run from two threads at
 once and then one after the other, RUNS times; prints one JSON line a run: each device's output at once against
 its output alone (bit-identical or not, the rows that differ). No norms, no rotary embedding, no MLP: the
-decoder-alone script's `--cut mlp --cut norm --cut rope` form written out, with only stare-jax's
-`blockwise_attention.causal_attention` (plain JAX) imported.
+decoder-alone script's `--cut mlp --cut norm --cut rope` form written out; stare-jax's
+`blockwise_attention.causal_attention` (plain JAX) is imported for `--attention stare` only, so every other form
+runs on jax alone (any release from 0.4.38 on: "Eigen's fault is a regression of jaxlib 0.6.2"), and each line
+names the jaxlib it ran on.
 
     python docs/bench/epyc_zen5/eigen_fault_attention_pair.py [--rows 64] [--length 337] [--block 128]
         [--layers 30] [--runs 2] [--plain-options] [--attention stare|inline|no-softmax|scores-only|values-only]
@@ -13,6 +15,7 @@ decoder-alone script's `--cut mlp --cut norm --cut rope` form written out, with 
         [--same-device] [--options JSON]
 """
 import argparse
+import importlib.metadata
 import json
 import threading
 
@@ -61,11 +64,13 @@ def main():
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 1 if args.same_device else 2)
+    if not args.same_device:  # one CPU device is the default (and jax < 0.4.36 has no such option)
+        jax.config.update("jax_num_cpu_devices", 2)
     import jax.numpy as jnp
     import numpy as np
 
-    from stare_jax.models.blockwise_attention import causal_attention
+    if args.attention == "stare":  # the only stare-jax import; every other form is JAX alone
+        from stare_jax.models.blockwise_attention import causal_attention
 
     def inline_attention(q, k, v, C, mode):
         """[B, T, H, hd] -> [B, T, H, hd]: causal attention in blocks of C, one product per (row, KV head)."""
@@ -168,7 +173,7 @@ def main():
                           "layers": args.layers, "attention": args.attention,
                           "loops": args.loops, "unroll_layers": args.unroll_layers,
                           "device1_plain": args.device1_plain, "same_device": args.same_device, "options": None if args.plain_options else options,
-                          "devices": devices}), flush=True)
+                          "jaxlib": importlib.metadata.version("jaxlib"), "devices": devices}), flush=True)
 
 
 if __name__ == "__main__":
