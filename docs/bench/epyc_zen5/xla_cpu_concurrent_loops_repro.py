@@ -59,7 +59,7 @@ def main():
     x = jnp.asarray(rng.standard_normal((ROWS, LENGTH, WIDTH)), jnp.float32)
     lowered = jax.jit(forward).lower(w_qkv, w_o, x)
     options = None
-    if not defaults and int(importlib.metadata.version("jaxlib").split(".")[1]) >= 8:
+    if not defaults and tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) >= (0, 8):
         options = {"xla_cpu_experimental_ynn_fusion_type": ""}  # keep YNNPACK off the products (Eigen's take them)
     program = lowered.compile(options)
     at_once = [None, None]

@@ -1,5 +1,5 @@
 """The pinned jaxlib's YNNPACK column-reduction fault (jax-ml/jax#39103: new in 0.10.2, 0.10.1 is right; docs/performance.md,
-"The pinned jaxlib's known CPU faults"): sum over axis 0 of (m @ x.T) ** 2 for x of N rows and D columns, compiled with
+"Eigen's fault is a regression of jaxlib 0.6.2"): sum over axis 0 of (m @ x.T) ** 2 for x of N rows and D columns, compiled with
 XLA's defaults (the product, the square and the reduction in one YNNPACK fusion) against the same program with
 YNNPACK's fusions off; prints one JSON line per (D, N): the output positions that differ by more than 1e-4 of their
 magnitude. Plain JAX, random inputs; a few seconds.
