@@ -464,7 +464,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     if config.loss.kl_type != "none":
         ref_model = prepare_policy(config, workdir, mesh).model
     train_state = create_train_state(policy.model, config, mesh=mesh, ref_model=ref_model)
-    update = make_update_step(config, mesh, train_state)
+    update = make_update_step(config, mesh, train_state, reject_disagreement=True)  # on-policy batches
     base_key = jax.random.key(config.seed)
 
     def update_off_eigen():
@@ -506,7 +506,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
     disagreement_seen = False  # warned once: the update's log-probs against the sampler's (rl/policy_agreement.py)
     agreement_bound = disagreement_bound(config.model.dtype, config.model.matmul_precision,
                                          mesh.devices.flat[0].platform)
-    rebuilt_at = -2  # the step after which the update was rebuilt off Eigen's products (its next step compiles)
+    rebuilt_at = -2  # the step whose update was rebuilt off Eigen's products (it and the next step compile)
     try:
         if (start == 0 and config.eval.enabled and config.eval.at_start
                 and not os.path.exists(os.path.join(workdir, "eval", "step_0.json"))):
@@ -535,22 +535,30 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             train_state, update_metrics = update(train_state, parallel.shard_batch(batch, mesh),
                                                  jax.random.fold_in(step_key, 1), packing=packing)
             update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
-            t2 = time.perf_counter()
             disagreement = disagreement_line(update_metrics, agreement_bound)
             if disagreement and not disagreement_seen:
                 log.warning("step %d: %s (warned once; every step's is in metrics.jsonl)", step, disagreement)
                 disagreement_seen = True
-            row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
-                   "step_s": t2 - t0, "compilations": compilations.take()}
+            fallback: dict = {}
             if disagreement and cpu_gemm.uses_eigen_products(update.options_for(batch)):
                 # Eigen's products are the kernels seen computing wrong values (stare_jax.cpu_gemm): the
-                # rest of this run's updates compile on XLA:CPU's defaults; this step stands as computed
+                # rest of this run's updates compile on XLA:CPU's defaults, and this step, which the
+                # update's disagreement guard left undone (rl/update.py), runs again on them
                 update = update_off_eigen()
-                row["cpu_gemm_fallback"] = 1
                 rebuilt_at = fallback_step = step
+                fallback = {"cpu_gemm_fallback": 1, "eigen_sampler_approx_kl": update_metrics["sampler_approx_kl"]}
+                rejected = update_metrics.get("disagreement_rejected") == 1.0
                 log.warning("step %d: the update step is rebuilt on XLA:CPU's default kernels (model.cpu_gemm="
                             "ynnpack) for the rest of this run, a resumed one included (model.cpu_gemm=%s "
-                            "configured)", step, config.model.cpu_gemm)
+                            "configured)%s", step, config.model.cpu_gemm,
+                            "; the step, left undone, runs again on them" if rejected else "")
+                if rejected:
+                    train_state, update_metrics = update(train_state, parallel.shard_batch(batch, mesh),
+                                                         jax.random.fold_in(step_key, 1), packing=packing)
+                    update_metrics = {k: float(parallel.to_host(v)) for k, v in update_metrics.items()}
+            t2 = time.perf_counter()
+            row = {**rollout_metrics, **update_metrics, "rollout_s": t1 - t0, "update_s": t2 - t1,
+                   "step_s": t2 - t0, "compilations": compilations.take(), **fallback}
             if packing is not None:
                 row["packed_capacity"] = packing.capacity
             if allocator.releases_on_compile() > releases:
@@ -559,7 +567,7 @@ def _train(config, workdir: str, stop: "preemption.StopSignal", pool) -> dict:
             if step == start and compilation.persistent_cache_hits():
                 log.info("loaded %d XLA programs from the compilation cache %s (up to the end of the first step)",
                          compilation.persistent_cache_hits(), compilation.cache_dir())
-            if step > start and row["compilations"] and step != rebuilt_at + 1:
+            if step > start and row["compilations"] and step not in (rebuilt_at, rebuilt_at + 1):
                 log.warning("step %d compiled %d XLA programs (prompt bucket %d%s): shapes changed since the first "
                             "step", step, row["compilations"], row["prompt_len"],
                             "" if packing is None else f", packed capacity {packing.capacity}")

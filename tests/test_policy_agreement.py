@@ -7,13 +7,15 @@ import math
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from stare_jax import parallel
 from stare_jax.rl.policy_agreement import (DISAGREEMENT_APPROX_KL, FULL_FLOAT32_APPROX_KL, disagreement_bound,
                                            disagreement_line)
 from stare_jax.rl.update import make_update_step, response_token_stats
-from tests.test_rl_update import R, fresh_state, make_batch, make_config, mesh8  # noqa: F401 (a fixture)
+from tests.test_rl_update import (R, fresh_state, make_batch, make_config, mesh8,  # noqa: F401 (a fixture)
+                                  model_stats_batch, params_of)
 from tests.test_train_e2e import _config
 
 
@@ -106,8 +108,19 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
     assert "a resumed one included" in rebuilt[0] and not [m for m in messages if "shapes changed" in m], messages
     rows = [json.loads(line) for line in open(tmp_path / "disagree" / "metrics.jsonl")]
     # later steps' sampler disagrees again: on the rebuilt update (no Eigen's products) nothing more is rebuilt
-    assert [r.get("cpu_gemm_fallback") for r in rows] == [1, None, None] and rows[1]["compilations"] > 0
-    assert rows[1]["sampler_approx_kl"] > 1e-3
+    assert [r.get("cpu_gemm_fallback") for r in rows] == [1, None, None] and rows[1]["compilations"] == 0
+    assert rows[1]["sampler_approx_kl"] > 1e-3  # (the rebuilt update compiled in step 0, which ran on it)
+    # The disagreeing step on Eigen's products was left undone by the update's guard and ran again
+    # on XLA's defaults: the run equals one on XLA's defaults from its start, metric for metric
+    assert "; the step, left undone, runs again on them" in rebuilt[0]
+    assert rows[0]["eigen_sampler_approx_kl"] == pytest.approx(math.expm1(0.2) - 0.2, rel=1e-3)
+    assert "disagreement_rejected" not in rows[0]
+    trainer.train(_config(model, data, **{"total_steps": 3, "checkpoint_every": 1, "model.cpu_gemm": "ynnpack"}),
+                  str(tmp_path / "defaults"))
+    defaults = [json.loads(line) for line in open(tmp_path / "defaults" / "metrics.jsonl")]
+    for got, want in zip(rows, defaults, strict=True):
+        for key in ("loss", "sampler_approx_kl", "entropy", "grad_norm", "stare_w"):
+            assert got[key] == want[key], (key, got[key], want[key])
     agree_rows = [json.loads(line) for line in open(tmp_path / "agree" / "metrics.jsonl")]
     assert not any("cpu_gemm_fallback" in r for r in agree_rows)
     # Stopped after step 1 and resumed, the run keeps the fallback (kept in its checkpoints) and
@@ -133,3 +146,43 @@ def test_the_trainer_warns_once_when_the_sampler_and_the_update_disagree(tiny_mo
     messages = [r.getMessage() for r in caplog.records]
     assert [m for m in messages if "disagree" in m] and not [m for m in messages if "rebuilt" in m], messages
     assert not any("cpu_gemm_fallback" in json.loads(line) for line in open(tmp_path / "blocks" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"update.grad_accum": 2},
+                                       {"update.ppo_epochs": 2, "update.num_minibatches": 2,
+                                        "update.old_stats": "recompute"}])
+def test_the_disagreement_guard_leaves_a_disagreeing_step_undone(mesh8, overrides):
+    """With `reject_disagreement` (the trainer's update) a step whose program runs Eigen's products
+    and whose `sampler_approx_kl` is above the full-float32 bound is a no-op: parameters, optimizer
+    state, controller and step counter as they were, `disagreement_rejected` 1, on the one-pass
+    path, with the sampler's statistics and with the pre-pass; an agreeing batch steps as without
+    the guard (to float rounding: another program), and a program on XLA's defaults has no guard."""
+    config = make_config(**overrides)
+    agreeing, shifted = model_stats_batch(config, mesh8), model_stats_batch(config, mesh8, shift=0.2)
+    ts = fresh_state(config, mesh8)
+    guarded = make_update_step(config, mesh8, ts, donate=False, reject_disagreement=True)
+    plain = make_update_step(config, mesh8, ts, donate=False)
+    state0 = nnx.state(ts)
+
+    def apply(step, b):
+        new_state, m = step.apply(state0, parallel.shard_batch(b, mesh8), jax.random.key(0))
+        return {k: float(v) for k, v in m.items()}, nnx.merge(step.graphdef, new_state)
+
+    m_ok, ts_ok = apply(guarded, agreeing)
+    m_plain, ts_plain = apply(plain, agreeing)
+    assert m_ok["disagreement_rejected"] == 0.0 and "disagreement_rejected" not in m_plain
+    assert m_ok["sampler_approx_kl"] < 1e-6 and int(ts_ok.step[...]) == 1
+    for got, want in zip(jax.tree_util.tree_leaves(params_of(ts_ok)), jax.tree_util.tree_leaves(params_of(ts_plain)),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)  # two programs: float rounding
+    m_bad, ts_bad = apply(guarded, shifted)
+    assert m_bad["disagreement_rejected"] == 1.0 and m_bad["nonfinite_skipped"] == 0.0
+    assert m_bad["sampler_approx_kl"] == pytest.approx(math.expm1(0.2) - 0.2, rel=1e-3)
+    for got, want in zip(jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(ts_bad))),
+                         jax.tree_util.tree_leaves(nnx.to_pure_dict(state0)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # params, optimizer, controller, step
+    m_applied, ts_applied = apply(plain, shifted)  # without the guard the same batch steps
+    assert int(ts_applied.step[...]) == 1 and int(ts_applied.optimizer.step[...]) > 0
+    defaults = make_config(**overrides, **{"model.cpu_gemm": "ynnpack"})
+    m_defaults, _ = apply(make_update_step(defaults, mesh8, ts, donate=False, reject_disagreement=True), shifted)
+    assert "disagreement_rejected" not in m_defaults

@@ -27,6 +27,13 @@ One step:
  5. Non-finite guard: an optimizer step whose loss or gradient norm is not finite is skipped
     (parameters and optimizer state unchanged); if any step of the batch was skipped the
     controller state is left as it was. `nonfinite_skipped` counts the skipped steps.
+    Disagreement guard (`reject_above`, set by `UpdateStep(reject_disagreement=True)` on the
+    programs that run XLA:CPU's Eigen products, the kernels seen computing wrong values:
+    `stare_jax.cpu_gemm`; for on-policy batches, whose rounding reads ~1e-9): when the
+    pre-update forward's `sampler_approx_kl` (point 6) is above the bound, the whole step is a
+    no-op (every optimizer step, the controller and the step counter unchanged) and
+    `disagreement_rejected` reads 1, so the caller can run the same batch again on other kernels
+    with nothing of the wrong forward applied (`stare_jax.trainer`).
  6. `sampler_approx_kl`: the token mean of (r - 1) - log r with r = pi_theta_old(o_t) / mu(o_t),
     the pre-update policy's probability of each sampled token over the sampler's (`old_log_probs`):
     rounding (~0) unless the two phases compute different policies (`rl/policy_agreement.py`).
@@ -86,6 +93,7 @@ from stare_jax.rl.diagnostics import polarity_entropy_diagnostics, polarity_entr
 from stare_jax.rl.logprobs import TokenStats, token_stats
 from stare_jax.rl.losses import (ADVANTAGE_RULES, BatchView, LossContext, ScopeView, policy_loss, quadrant_keep,
                                  token_advantages)
+from stare_jax.rl.policy_agreement import FULL_FLOAT32_APPROX_KL
 from stare_jax.rl.settings import RLSettings
 from stare_jax.rl.stare import ControllerState, controller_update, stare_weights_and_sets
 from stare_jax.rl.train_state import TrainState, learning_rate_schedule, train_state_shardings
@@ -345,15 +353,24 @@ def _tree_where(pred, a, b):
     return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
-def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None = None):
+def _update_pure(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None = None,
+                 *, reject_above: float | None = None):
     """The whole update step on pure state (see the module docstring); `packing` (static) runs every
-    forward over packed responses. Traced with `mesh` as the abstract mesh of the trace, which
+    forward over packed responses; `reject_above` (static) is the disagreement guard's bound on
+    `sampler_approx_kl` (None: no guard). Traced with `mesh` as the abstract mesh of the trace, which
     `parallel.replicated_in_trace` reads (token selection gathers its scores once, outside its loop)."""
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return _update_body(settings, mesh, graphdef, state, batch, rng, packing)
+        return _update_body(settings, mesh, graphdef, state, batch, rng, packing, reject_above)
 
 
-def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None):
+def _agrees(approx_kl, bound: float | None):
+    """False where the disagreement guard rejects a step: `approx_kl` above `bound` (a non-finite
+    value is left to the non-finite guard); always True without a bound."""
+    return jnp.bool_(True) if bound is None else jnp.logical_not(approx_kl > bound)
+
+
+def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict, rng, packing: Packing | None,
+                 reject_above: float | None = None):
     """`_update_pure` inside its mesh context."""
     ts = nnx.merge(graphdef, state)
     controller = ts.controller.get()
@@ -395,8 +412,9 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
 
     lr_metric = learning_rate_schedule(settings.optim)(ts.optimizer.step[...])
 
-    def apply_grads(st, grads, loss):
-        """clip + AdamW on `st`, unless loss or grad norm is non-finite (then `st` unchanged)."""
+    def apply_grads(st, grads, loss, agree):
+        """clip + AdamW on `st`, unless loss or grad norm is non-finite or the disagreement guard
+        rejected the step (`agree` False; then `st` unchanged). Returns (st, gnorm, finite)."""
         gnorm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
 
@@ -405,7 +423,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             t.optimizer.update(t.model, grads)
             return nnx.state(t)
 
-        return jax.lax.cond(ok, do, lambda s: s, st), gnorm, ok
+        return jax.lax.cond(ok & agree, do, lambda s: s, st), gnorm, ok
 
     if K == 1 and U == 1:
         loss, grads, metrics, prep = single_pass_loss_and_grad(
@@ -413,7 +431,8 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             old_log_probs=behaviour, advantages=adv, rng=rng_loss,
             ref_log_probs=None if ref_k is None else ref_k[0], selection_groups=groups, prompt_groups=shared,
             rewards=batch["rewards"], packing=packing)
-        state, gnorm, ok = apply_grads(state, grads, loss)
+        agree = _agrees(metrics["approx_kl"], reject_above)
+        state, gnorm, ok = apply_grads(state, grads, loss, agree)
         metrics = {**metrics, "loss": loss, "grad_norm": gnorm, "nonfinite_skipped": 1.0 - ok.astype(jnp.float32),
                    "sampler_approx_kl": metrics["approx_kl"]}  # old log-probs = the sampler's, parameters = theta_old
         all_ok = ok
@@ -459,7 +478,13 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
                               settings=settings.loss, ref_log_probs=d.get("ref"))
             return policy_loss(ctx)
 
-        def one_update(st, u):
+        # the disagreement guard: with the sampler's statistics the first optimizer step's forwards
+        # give sampler_approx_kl, so that step decides (and the later ones follow it); with the
+        # pre-pass it is known before the first
+        agree0 = jnp.bool_(True) if from_sampler else _agrees(_approx_kl(lp0, beh_k, mask_k), reject_above)
+
+        def one_update(carry, u):
+            st, agree = carry
             i = u % mb
             d_mb = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), data)
             view = ScopeView(log_probs=d_mb["lp0"], old_log_probs=d_mb["old"], advantages=d_mb["adv"],
@@ -480,10 +505,12 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
             zeros = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.float32(0.0),
                      jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
             (grads, loss, metrics), _ = jax.lax.scan(accumulate, zeros, jnp.arange(acc, dtype=jnp.int32))
-            st, gnorm, ok = apply_grads(st, grads, loss)
-            return st, ({**metrics, "loss": loss, "grad_norm": gnorm}, ok)
+            if from_sampler:
+                agree = jnp.where(u == 0, _agrees(metrics["approx_kl"], reject_above), agree)
+            st, gnorm, ok = apply_grads(st, grads, loss, agree)
+            return (st, agree), ({**metrics, "loss": loss, "grad_norm": gnorm}, ok)
 
-        state, (per_update, oks) = jax.lax.scan(one_update, state, jnp.arange(U, dtype=jnp.int32))
+        (state, agree), (per_update, oks) = jax.lax.scan(one_update, (state, agree0), jnp.arange(U, dtype=jnp.int32))
         metrics = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), per_update)
         metrics["nonfinite_skipped"] = U - oks.sum().astype(jnp.float32)
         # the first optimizer step's forwards ran at the pre-update parameters against the sampler's log-probs
@@ -491,8 +518,10 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         all_ok = jnp.all(oks)
 
     ts = nnx.merge(graphdef, state)
-    ts.controller.set(_tree_where(all_ok, prep.controller, controller))
-    ts.step[...] = ts.step[...] + 1
+    ts.controller.set(_tree_where(all_ok & agree, prep.controller, controller))
+    ts.step[...] = ts.step[...] + agree.astype(ts.step[...].dtype)  # a rejected step is a no-op, counter included
+    if reject_above is not None:
+        metrics["disagreement_rejected"] = 1.0 - agree.astype(jnp.float32)
     metrics.update(prep.metrics)
     metrics["advantage_mean"] = jnp.mean(adv_seq)
     metrics["advantage_std"] = jnp.std(adv_seq)
@@ -521,7 +550,7 @@ class UpdateStep:
     """
 
     def __init__(self, settings: RLSettings, mesh: Mesh, train_state: TrainState, *, donate: bool = True,
-                 cpu_options: bool = True):
+                 cpu_options: bool = True, reject_disagreement: bool = False):
         if settings.loss.uses_reference and train_state.ref_model is None:
             raise ValueError(f"loss.kl_type={settings.loss.kl_type!r} needs a train state with a reference model")
         self.settings = settings
@@ -531,7 +560,6 @@ class UpdateStep:
         self.batch_ndims = {**BATCH_NDIMS, **(SAMPLER_STATS_NDIMS if settings.takes_sampler_stats else {})}
         self.batch_shardings = {k: parallel.batch_sharding(mesh, nd) for k, nd in self.batch_ndims.items()}
         replicated = parallel.replicated(mesh)
-        fn = functools.partial(_update_pure, settings, mesh, self.graphdef)
         platform = mesh.devices.flat[0].platform
         dtype = getattr(train_state.model, "dtype", np.float32)
 
@@ -549,6 +577,9 @@ class UpdateStep:
         self.attention_block = int(getattr(train_state.model, "attention_block", 0))
 
         def jits(options):
+            # programs on Eigen's products carry the disagreement guard (module docstring, point 5)
+            bound = FULL_FLOAT32_APPROX_KL if reject_disagreement and cpu_gemm.uses_eigen_products(options) else None
+            fn = functools.partial(_update_pure, settings, mesh, self.graphdef, reject_above=bound)
             jit = lambda keys: jax.jit(  # noqa: E731
                 fn, in_shardings=(self.state_shardings, {k: self.batch_shardings[k] for k in keys}, replicated),
                 out_shardings=(self.state_shardings, replicated), static_argnums=(3,),
@@ -652,7 +683,7 @@ class UpdateStep:
 
 
 def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, donate: bool = True,
-                     cpu_options: bool = True) -> UpdateStep:
+                     cpu_options: bool = True, reject_disagreement: bool = False) -> UpdateStep:
     """Builds the jitted update step for `train_state`'s structure (real or `nnx.eval_shape`d).
 
     `config` is the ml_collections config (or an `RLSettings`); `mesh=None` uses one device.
@@ -660,8 +691,12 @@ def make_update_step(config, mesh: Mesh | None, train_state: TrainState, *, dona
     options (`stare_jax.cpu_gemm`) on a CPU mesh. On a GPU the
     products' kernels follow `model.gpu_gemm` (`stare_jax.gpu_gemm`), with the float32 products'
     precision read when the step is built (inside the run's `precision.matmul_precision`).
+    `reject_disagreement=True` (for batches the sampler drew from the train state's own policy, as
+    the trainer's are) puts the disagreement guard (module docstring, point 5) into the programs
+    that run Eigen's products.
     """
     settings = config if isinstance(config, RLSettings) else RLSettings.from_config(config)
     if mesh is None:
         mesh = parallel.make_mesh(devices=jax.devices()[:1])
-    return UpdateStep(settings, mesh, train_state, donate=donate, cpu_options=cpu_options)
+    return UpdateStep(settings, mesh, train_state, donate=donate, cpu_options=cpu_options,
+                      reject_disagreement=reject_disagreement)
