@@ -21,6 +21,11 @@ time the same update; each output line names them (`vocab_chunk`, `vocab_keep_lo
     python scripts/bench_update.py --setting '{"model.remat_saves": "nothing"}' \\
         --setting '{"model.remat_saves": "projections"}' [--reps 3] [--profile /tmp/prof]
 
+`--cut-responses L` ends every response of the batch after L tokens (the sampler's figures kept),
+a batch with fewer tokens that packs into another capacity: how the capacities a packing multiple
+meets were checked on Eigen's products (docs/performance.md, "Even blocks, a finer packing
+multiple, and a disagreeing step left undone").
+
 Prints one JSON object per setting: times (s), the model TFLOP of the batch, XLA's matmul
 peak on this device in the setting's dtype and `model.matmul_precision` (GFLOP/s, float32 or bfloat16 operands, measured once for each pair, inside that precision as the setting's update is built and run) and the MFU of the fastest update, the kernel CPU time and minor page faults of each
 update (`kernel_cpu_s`, `minor_faults`: XLA maps each execution's temporaries afresh), the batch's
@@ -60,6 +65,28 @@ import common  # noqa: E402
 import profile_ops  # noqa: E402
 
 
+def cut_responses(batch: dict, length: int) -> dict:
+    """`batch` with every response ended after `length` tokens: its response and attention masks
+    zeroed from there, the ids there set to the padding the batch already uses, the sampler's
+    per-token arrays masked. Each kept token's log-prob, entropy and Q under the policy depend only
+    on the tokens before it, so the sampler's figures stay the policy's."""
+    import numpy as np
+
+    out = {k: np.array(v) for k, v in batch.items()}
+    R = out["response_mask"].shape[1]
+    P = out["input_ids"].shape[1] - R
+    ids, am = out["input_ids"][:, P:], out["attention_mask"][:, P:]
+    pad = ids[am == 0]
+    pad_id = int(np.bincount(pad).argmax()) if pad.size else 0
+    out["response_mask"][:, length:] = 0
+    am[:, length:] = 0
+    ids[am == 0] = pad_id
+    for k in ("old_log_probs", "old_entropy", "old_pi2_dev"):
+        if k in out:
+            out[k] = (out[k] * (out["response_mask"] > 0)).astype(out[k].dtype)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--setting", action="append", default=[],
@@ -88,12 +115,18 @@ def main() -> None:
     ap.add_argument("--cpu-devices", type=int, default=0,
                     help="mesh.cpu_devices: JAX CPU devices the host is split into (0: one per core; 1: a "
                          "single device with every core inside each op)")
+    ap.add_argument("--cut-responses", type=int, default=0,
+                    help="cut every response of the batch after this many tokens (0: as sampled): fewer tokens "
+                         "and another packed capacity with the sampler's own log-probs, entropy and Q, which "
+                         "depend only on earlier tokens")
     ap.add_argument("--digest-out", default="",
                     help="append one JSON line per setting to this file: the updated state's digest leaf by "
                          "leaf and every metric of the last update, to find where two processes differ")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    if args.cut_responses < 0:
+        ap.error("--cut-responses must be >= 0")
     if args.vocab_chunk is not None and args.vocab_chunk < 1:
         ap.error("--vocab-chunk must be >= 1")
     if args.keep_logits_mb is not None and args.keep_logits_mb < 0:
@@ -191,6 +224,8 @@ def main() -> None:
         with open(args.batch_cache, "wb") as f:
             pickle.dump(batch, f)
         del state, policy
+    if args.cut_responses:
+        batch = cut_responses(batch, args.cut_responses)
 
     peaks: dict[tuple[str, str], float] = {}  # XLA's matmul peak on this device in each setting's dtype and
     # matmul precision (the MFU's denominator)

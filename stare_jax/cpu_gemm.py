@@ -65,6 +65,18 @@ scripts/check_update_kernels.py --attention-block 32 --calls 2`; docs/performanc
 update's responses in blocks"). So "auto" leaves every update program whose sequences are longer
 than `model.attention_block` (where any attention may run in blocks: `blockwise`) to XLA's defaults.
 
+A seventh met it on the Zen 4 host (2026-12-08) with nothing but another packed capacity: the real
+model's default update (whole-layer remat, the checked program) at `ppo.pack_tokens = 256`, whose
+fixed batch packs into 5,888 entries a device, read a first-update `sampler_approx_kl` of 0.3179 in
+three processes (the same value each time) against 2.8e-9 on YNNPACK's products at that capacity and
+2.9e-9 on Eigen's at 6,144, 5,632 and 4,608; its loss agreed with YNNPACK's to 1e-7, so the step was
+right and the reported log-probs wrong (docs/performance.md, "Even blocks, a finer packing
+multiple, and a disagreeing step left undone"). Every capacity is a program of its own, so no list
+of checked programs covers them all: the trainer's update carries a guard instead
+(`rl.update`, `reject_disagreement`): a step on Eigen's products whose `sampler_approx_kl` is above
+the full-float32 bound is left undone, and the trainer runs it again on XLA's defaults, which it
+keeps for the rest of the run (`rl.policy_agreement`).
+
 `model.cpu_gemm`:
 
     auto     (default) the update's products on Eigen, its reductions on YNNPACK

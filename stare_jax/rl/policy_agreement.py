@@ -18,7 +18,11 @@ checks every step against `disagreement_bound` (0.05, or 1e-3 where both phases 
 float32) and warns once, so such a fault is seen on the first step, not in a study's curves; on a
 CPU whose update runs Eigen's products it rebuilds the update on XLA's defaults for the rest of
 the run (`stare_jax.cpu_gemm.with_choice`), a resumed run included (the step is kept in the
-checkpoints' metadata as `cpu_gemm_fallback_step`).
+checkpoints' metadata as `cpu_gemm_fallback_step`). That step itself is not applied: the trainer's
+update on Eigen's products carries the disagreement guard (`rl.update`, point 5 of its module
+docstring), which leaves it undone, and the trainer runs the same batch again on the rebuilt update
+(the row keeps the rejected figure as `eigen_sampler_approx_kl`), so the run goes on exactly as one
+on XLA's defaults from that step would.
 """
 
 from __future__ import annotations
