@@ -2,20 +2,25 @@
 
 The update's per-token work runs on each device's buffer of `packed_capacity` entries: the fuller
 device's kept tokens rounded up to a multiple M of `ppo.pack_tokens` (`stare_jax.models.packing`).
-This script reads every real-model batch a committed benchmark output records (the `response_lens`
-of stare-jax's steps in `docs/bench/**/*.json`: 64 responses, 8 groups of 8, up to 256 tokens),
+This script reads the real-model batches committed benchmark outputs record (the `response_lens`
+of stare-jax's steps in `docs/bench/**/*.json`: 64 responses, 8 groups of 8, up to 256 tokens; or
+the list `--save-batches` wrote, `--batches FILE`, so that later outputs do not move the figures),
 deals whole groups to two devices three ways, and prints for each multiple the mean capacity a
 device, the mean fill (tokens a device over capacity) and the capacities' spread (each a program
 to compile):
 
-    greedy   longest-first dealing alone (`balanced_group_order` before the swap search)
+    greedy   longest-first dealing alone (`balanced_group_order(..., swaps=False)`)
     swaps    the shipped `balanced_group_order` (greedy, then pairwise swaps)
     exact    the best split of the 8 groups into 4 + 4 (all 35 of them)
 
 It also prints how far the fuller device sits above half the batch's tokens under each dealing.
 No JAX computation runs; it takes seconds.
 
-    python scripts/packing_capacity_study.py [--multiples 1024 512 256] [--json]
+    python scripts/packing_capacity_study.py [--batches FILE | --save-batches FILE]
+        [--multiples 1024 512 256] [--json]
+
+The figures of docs/performance.md ("Even blocks, a finer packing multiple, and a disagreeing step
+left undone") are `--batches docs/bench/epyc_zen4/packing_b2a26dc/recorded_batches.json`.
 """
 
 from __future__ import annotations
@@ -67,18 +72,6 @@ def mask_of(lens) -> np.ndarray:
     return (np.arange(R)[None, :] < np.asarray(lens)[:, None]).astype(np.float32)
 
 
-def greedy_order(lens) -> np.ndarray:
-    """Longest-first dealing of whole groups to the less loaded device with room, nothing after."""
-    tokens = np.asarray(lens).reshape(GROUPS, GROUP_SIZE).sum(1)
-    load, members = np.zeros(SHARDS, np.int64), [[] for _ in range(SHARDS)]
-    for g in np.argsort(-tokens, kind="stable"):
-        s = min((s for s in range(SHARDS) if len(members[s]) < GROUPS // SHARDS), key=lambda s: (load[s], s))
-        members[s].append(g)
-        load[s] += tokens[g]
-    groups = np.concatenate([sorted(m) for m in members])
-    return (groups[:, None] * GROUP_SIZE + np.arange(GROUP_SIZE)[None, :]).reshape(-1)
-
-
 def exact_order(lens) -> np.ndarray:
     """The split of the groups into two halves with the smallest fuller half."""
     tokens = np.asarray(lens).reshape(GROUPS, GROUP_SIZE).sum(1)
@@ -91,7 +84,8 @@ def exact_order(lens) -> np.ndarray:
 def study(batches, multiples) -> dict:
     """Per dealing and multiple: mean capacity, mean fill, capacity spread; per dealing: the fuller
     device's excess over half the batch (mean, max)."""
-    dealings = {"greedy": greedy_order, "swaps": lambda lens: balanced_group_order(mask_of(lens), GROUP_SIZE, SHARDS),
+    dealings = {"greedy": lambda lens: balanced_group_order(mask_of(lens), GROUP_SIZE, SHARDS, swaps=False),
+                "swaps": lambda lens: balanced_group_order(mask_of(lens), GROUP_SIZE, SHARDS),
                 "exact": exact_order}
     out: dict = {"batches": len(batches), "dealings": {}}
     for name, order_of in dealings.items():
@@ -117,10 +111,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--multiples", type=int, nargs="+", default=[1024, 512, 256])
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    ap.add_argument("--batches", default="", help="read the batches' length lists from this JSON file")
+    ap.add_argument("--save-batches", default="", help="write the scanned batches' length lists to this JSON file")
     args = ap.parse_args()
-    batches = recorded_batches()
+    if args.batches:
+        try:
+            with open(args.batches) as f:
+                batches = [tuple(b) for b in json.load(f)]
+        except (OSError, ValueError) as e:
+            print(f"packing_capacity_study: --batches {args.batches}: {e}", file=sys.stderr)
+            sys.exit(2)
+    else:
+        batches = recorded_batches()
     if not batches:
         sys.exit("packing_capacity_study: no recorded real-model batches under docs/bench")
+    if args.save_batches:
+        with open(args.save_batches, "w") as f:
+            json.dump([list(b) for b in batches], f)
     result = study(batches, args.multiples)
     if args.json:
         print(json.dumps(result, default=int))

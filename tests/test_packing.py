@@ -247,6 +247,7 @@ def test_group_balancing_swaps_groups_after_the_greedy_pass():
     them at 21 / 21, which the swap search finds, each block keeping its rows in order."""
     lengths = np.array([10, 9, 8, 7, 6, 2])
     mask = (np.arange(12)[None] < lengths[:, None]).astype(np.float32)
+    assert balanced_group_order(mask, 1, 2, swaps=False).tolist() == [0, 3, 4, 1, 2, 5]  # the greedy pass: 23 / 19
     order = balanced_group_order(mask, 1, 2)
     assert order.tolist() == [2, 3, 4, 0, 1, 5]
     assert mask[order].reshape(2, -1).sum(1).tolist() == [21, 21]

@@ -103,13 +103,14 @@ def packed_capacity(response_mask: np.ndarray, *, shards: int, multiple: int, mi
     return int(min(full, bucket_capacity(int(per_block.max()), step, buckets)))
 
 
-def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int) -> np.ndarray:
+def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int, *, swaps: bool = True) -> np.ndarray:
     """Host side: a row permutation [N] that moves whole groups of `group_size` rows between the
     `shards` contiguous row blocks so that the blocks' kept token counts are even.
 
     Greedy (longest processing time first): groups in decreasing token count, each to the block
     with the fewest tokens among those with room left (every block takes N / (G shards) groups);
-    then pairwise swaps (`_refine_by_swaps`) while one lowers the fullest block. Inside a block the
+    then, with `swaps`, pairwise swaps (`_refine_by_swaps`) while one lowers the fullest block
+    (`swaps=False`: the greedy pass alone, for comparison). Inside a block the
     groups keep their original order. The identity when that is no more even than the order as it
     is, or when the groups do not divide evenly over the blocks.
     """
@@ -124,7 +125,8 @@ def balanced_group_order(response_mask: np.ndarray, group_size: int, shards: int
         s = min((s for s in range(shards) if len(members[s]) < B // shards), key=lambda s: (load[s], s))
         members[s].append(g)
         load[s] += tokens[g]
-    members, load = _refine_by_swaps(tokens, members, load)
+    if swaps:
+        members, load = _refine_by_swaps(tokens, members, load)
     if load.max() >= tokens.reshape(shards, -1).sum(axis=1).max():
         return np.arange(N)  # the order as it is is as even: keep it
     groups = np.concatenate([sorted(m) for m in members])
@@ -136,26 +138,25 @@ def _refine_by_swaps(tokens: np.ndarray, members: list[list[int]], load: np.ndar
     the fullest block with a smaller group of another block lowers the pair's larger load below the
     fullest load, make the exchange that lowers it most (ties: the first found, so deterministic).
     Each exchange strictly lowers the fullest block or the number of blocks at the maximum, so it
-    ends. On the real-model benchmark's 129 recorded batches (8 groups of 8 over 2 blocks) the
-    fullest block sits 23 tokens above half the batch on average after it, 70 after the greedy pass
-    alone, 16 at the exact optimum (docs/performance.md, "Even blocks and a finer packing multiple").
-    Returns (members, load), both updated."""
+    ends. On the real-model benchmark's recorded batches (8 groups of 8 over 2 blocks) it brings the
+    fullest block from ~3x to ~1.5x the exact optimum's excess over half the batch
+    (`scripts/packing_capacity_study.py`; docs/performance.md, "Even blocks, a finer packing
+    multiple, and a disagreeing step left undone"). Returns (members, load), both updated."""
     load = load.copy()
     while True:
         f = int(np.argmax(load))
-        best = None
+        best = None  # (the pair's larger load after the exchange, block, index in f, index in block)
         for b in range(len(members)):
-            if b == f:
-                continue
-            for i, gf in enumerate(members[f]):
+            for i, gf in enumerate(members[f] if b != f else ()):
                 for j, gb in enumerate(members[b]):
                     d = int(tokens[gf] - tokens[gb])
-                    if d > 0 and max(load[f] - d, load[b] + d) < load[f] and (best is None or
-                                                                                max(load[f] - d, load[b] + d) < best[0]):
-                        best = (max(load[f] - d, load[b] + d), b, i, j, d)
+                    larger = max(load[f] - d, load[b] + d)
+                    if d > 0 and larger < (load[f] if best is None else best[0]):
+                        best = (larger, b, i, j)
         if best is None:
             return members, load
-        _, b, i, j, d = best
+        _, b, i, j = best
+        d = int(tokens[members[f][i]] - tokens[members[b][j]])
         members[f][i], members[b][j] = members[b][j], members[f][i]
         load[f] -= d
         load[b] += d

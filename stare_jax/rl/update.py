@@ -481,7 +481,8 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         # the disagreement guard: with the sampler's statistics the first optimizer step's forwards
         # give sampler_approx_kl, so that step decides (and the later ones follow it); with the
         # pre-pass it is known before the first
-        agree0 = jnp.bool_(True) if from_sampler else _agrees(_approx_kl(lp0, beh_k, mask_k), reject_above)
+        pre_kl = None if from_sampler else _approx_kl(lp0, beh_k, mask_k)
+        agree0 = jnp.bool_(True) if from_sampler else _agrees(pre_kl, reject_above)
 
         def one_update(carry, u):
             st, agree = carry
@@ -514,7 +515,7 @@ def _update_body(settings: RLSettings, mesh: Mesh, graphdef, state, batch: dict,
         metrics = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), per_update)
         metrics["nonfinite_skipped"] = U - oks.sum().astype(jnp.float32)
         # the first optimizer step's forwards ran at the pre-update parameters against the sampler's log-probs
-        metrics["sampler_approx_kl"] = per_update["approx_kl"][0] if from_sampler else _approx_kl(lp0, beh_k, mask_k)
+        metrics["sampler_approx_kl"] = per_update["approx_kl"][0] if from_sampler else pre_kl
         all_ok = jnp.all(oks)
 
     ts = nnx.merge(graphdef, state)
